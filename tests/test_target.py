@@ -1,0 +1,76 @@
+import pytest
+import torch
+
+from draftsmith.target import ModelArgs, Transformer, hf_to_native, load_target, resolve_target
+
+from conftest import make_hf_model, make_tokenizer, save_hf_folder
+
+
+def native_from_hf(hf) -> Transformer:
+    args = ModelArgs.from_hf(hf.config.to_dict())
+    model = Transformer(args).eval()
+    sd = hf_to_native(hf.state_dict())
+    model.load_state_dict(sd, strict=False)
+    if args.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    return model
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"tie_word_embeddings": True},
+        {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
+        {"attention_bias": True},
+    ],
+    ids=["plain", "tied", "llama3-rope", "qkv-bias"],
+)
+def test_logits_match_transformers(overrides):
+    hf = make_hf_model(**overrides)
+    model = native_from_hf(hf)
+    tokens = torch.randint(0, 320, (2, 37))
+    model.setup_caches(2, 64)
+    out = model(tokens, torch.arange(37))
+    ref = hf(tokens).logits
+    assert (model.logits(out.hidden) - ref).abs().max() < 1e-4
+
+
+def test_decode_through_cache_matches_full_forward():
+    hf = make_hf_model()
+    model = native_from_hf(hf)
+    tokens = torch.randint(0, 320, (1, 24))
+    ref = hf(tokens, output_hidden_states=True)
+    model.setup_caches(1, 32)
+    model(tokens[:, :10], torch.arange(10))  # prefill
+    for t in range(10, 24):  # then one token at a time through the KV cache
+        out = model(tokens[:, t : t + 1], torch.tensor([t]), capture=(1, 2))
+        assert (model.logits(out.hidden)[0, 0] - ref.logits[0, t]).abs().max() < 1e-4
+        # captured aux = outputs of layers 1 and 2 = HF hidden_states[2] and [3]
+        want = torch.cat([ref.hidden_states[2][0, t], ref.hidden_states[3][0, t]])
+        assert (out.aux[0, 0] - want).abs().max() < 1e-4
+
+
+def test_default_aux_layers_follow_reference():
+    args = ModelArgs.from_hf(make_hf_model(layers=32).config.to_dict())
+    assert args.default_aux_layers() == (1, 15, 28)
+
+
+def test_load_target_from_folder(tiny_target_dir):
+    target = load_target(str(tiny_target_dir))
+    hf = make_hf_model()
+    tokens = torch.randint(0, 320, (1, 12))
+    target.model.setup_caches(1, 16)
+    out = target.model(tokens, torch.arange(12))
+    assert (target.model.logits(out.hidden) - hf(tokens).logits).abs().max() < 1e-4
+    assert 2 in target.eos_ids
+
+
+def test_bad_targets_have_clear_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not found"):
+        resolve_target(str(tmp_path / "nope"))
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        resolve_target(str(tmp_path))
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    with pytest.raises(ValueError, match="gguf"):
+        resolve_target(str(tmp_path / "weights.bin"))
