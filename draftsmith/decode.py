@@ -1,0 +1,142 @@
+"""The decode engine: plain greedy decoding and EAGLE-3 chain speculation on one static cache.
+
+Reads top to bottom: prefill -> decode_plain -> draft_chain -> verify -> decode_chain.
+Both paths run the same target forward (static KV cache, explicit slots), so a speed
+comparison between them measures speculation and nothing else, and at temperature 0 the
+speculative output must equal the plain output token for token.
+
+Cache convention (batch 1): target slots [0, pos) hold the accepted tokens; `pending` is the
+last accepted token, whose logits are not computed yet. The drafter's row r reads
+(target features at r, token r+1) and writes its slot r, so its last row predicts the token
+after `pending`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from draftsmith.draft import Eagle3Drafter
+from draftsmith.target import Transformer
+
+
+@dataclass
+class Generation:
+    tokens: list[int]  # new tokens, ending at the first EOS or max_new
+    seconds: float  # wall time from the start of prefill to the last token
+    prefill_seconds: float = 0.0
+    accept_lengths: list[int] = field(default_factory=list)  # per verification cycle, bonus token included
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+
+
+def sync(device: torch.device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def finish(tokens: list[int], max_new: int, eos_ids: tuple[int, ...]) -> tuple[list[int], bool]:
+    """Cut at the first EOS (kept) and at max_new; say whether generation is over."""
+    for i, t in enumerate(tokens[:max_new]):
+        if t in eos_ids:
+            return tokens[: i + 1], True
+    return tokens[:max_new], len(tokens) >= max_new
+
+
+@torch.no_grad()
+def prefill(model: Transformer, prompt: torch.Tensor, capture=()):
+    """prompt: (1, T). Returns the first new token and the target's output over the prompt."""
+    T = prompt.shape[1]
+    out = model(prompt, torch.arange(T, device=prompt.device), capture=capture)
+    return model.logits(out.hidden[:, -1]).argmax(-1), out  # (1,), TargetOutput
+
+
+@torch.no_grad()
+def decode_plain(model: Transformer, prompt: torch.Tensor, max_new: int, eos_ids=()) -> Generation:
+    """Greedy decoding, one target step per token."""
+    dev = prompt.device
+    T = prompt.shape[1]
+    model.setup_caches(1, T + max_new + 1)
+    sync(dev)
+    t0 = time.perf_counter()
+    tok, _ = prefill(model, prompt)
+    sync(dev)
+    t_prefill = time.perf_counter() - t0
+    out = [int(tok)]
+    pos = T
+    while not finish(out, max_new, eos_ids)[1]:
+        h = model(tok[None], torch.tensor([pos], device=dev)).hidden
+        tok = model.logits(h[:, -1]).argmax(-1)
+        out.append(int(tok))
+        pos += 1
+    sync(dev)
+    return Generation(finish(out, max_new, eos_ids)[0], time.perf_counter() - t0, t_prefill)
+
+
+@torch.no_grad()
+def draft_chain(drafter: Eagle3Drafter, last_hidden: torch.Tensor, pos: int, k: int) -> torch.Tensor:
+    """k greedy draft tokens after the pending token at slot `pos`. last_hidden: (1, 1, H), the
+    drafter's output for row pos-1. Step i runs at slot pos-1+i (RoPE position t+j in training)."""
+    dev = last_hidden.device
+    drafts = []
+    h = last_hidden
+    for i in range(k):
+        tok = drafter.to_target(drafter.logits(h[:, -1]).argmax(-1))  # (1,)
+        drafts.append(tok)
+        if i + 1 < k:
+            h = drafter(tok[None], h, torch.tensor([pos + i], device=dev))
+    return torch.cat(drafts)  # (k,)
+
+
+@torch.no_grad()
+def verify(model: Transformer, pending: torch.Tensor, drafts: torch.Tensor, pos: int, capture):
+    """Run the target over [pending, d1..dk] at slots pos..pos+k; greedy acceptance.
+    Returns (number of accepted drafts n, the bonus token, aux features of rows 0..n)."""
+    dev = drafts.device
+    seq = torch.cat([pending, drafts])[None]  # (1, k+1)
+    out = model(seq, torch.arange(pos, pos + seq.shape[1], device=dev), capture=capture)
+    best = model.logits(out.hidden[0]).argmax(-1)  # (k+1,) target's choice after each input token
+    match = (best[:-1] == drafts).int()
+    n = int(match.cumprod(0).sum())
+    return n, best[n : n + 1], out.aux[:, : n + 1]
+
+
+@torch.no_grad()
+def decode_chain(model: Transformer, drafter: Eagle3Drafter, prompt: torch.Tensor, max_new: int, k: int,
+                 eos_ids=()) -> Generation:
+    """EAGLE-3 chain speculation at temperature 0: k drafts, verify k+1 positions."""
+    dev = prompt.device
+    T = prompt.shape[1]
+    capture = drafter.cfg.aux_layer_ids
+    model.setup_caches(1, T + max_new + k + 2)
+    drafter.setup_caches(1, T + max_new + k + 2)
+    sync(dev)
+    t0 = time.perf_counter()
+    pending, first = prefill(model, prompt, capture)
+    # drafter rows 0..T-1 read (features r, token r+1); the last row's token is the new one
+    row_tokens = torch.cat([prompt[0, 1:], pending])[None]
+    h = drafter(row_tokens, drafter.fuse(first.aux), torch.arange(T, device=dev))
+    sync(dev)
+    gen = Generation([int(pending)], 0.0, time.perf_counter() - t0)
+    pos = T
+    while not finish(gen.tokens, max_new, eos_ids)[1]:
+        t1 = time.perf_counter()
+        drafts = draft_chain(drafter, h[:, -1:], pos, k)
+        sync(dev)
+        t2 = time.perf_counter()
+        n, bonus, aux = verify(model, pending, drafts, pos, capture)
+        sync(dev)
+        gen.draft_seconds += t2 - t1
+        gen.verify_seconds += time.perf_counter() - t2
+        accepted = torch.cat([drafts[:n], bonus])  # (n+1,)
+        gen.tokens.extend(accepted.tolist())
+        gen.accept_lengths.append(n + 1)
+        # drafter catch-up on the verified rows pos..pos+n, overwriting its speculative slots
+        h = drafter(accepted[None], drafter.fuse(aux), torch.arange(pos, pos + n + 1, device=dev))
+        pending, pos = bonus, pos + n + 1
+    sync(dev)
+    gen.tokens = finish(gen.tokens, max_new, eos_ids)[0]
+    gen.seconds = time.perf_counter() - t0
+    return gen

@@ -1,0 +1,221 @@
+"""The EAGLE-3 draft model: one decoder layer over the target's fused hidden states.
+
+Names follow what SGLang and vLLM load (`fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`;
+REFERENCE.md §1), so export is an identity map. The same module serves inference (one step
+at a time through a static KV cache) and training-time test (`ttt`), where step j at row t
+attends to the step-0 keys at rows <= t plus its own keys from steps 1..j, exactly what it
+sees at inference when it drafts the (j+1)-th token after row t.
+
+    row t, step 0:  cat(norm(emb(x[t+1])), norm(fc(aux[t])))      -> o0[t]  ~ target z[t+1]
+    row t, step j:  cat(norm(emb(x[t+1+j])), norm(o{j-1}[t]))     -> oj[t]  ~ target z[t+1+j]
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from draftsmith.target import MLP, Attention, KVCache, ModelArgs, RMSNorm, Rotary, causal_mask
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    hidden_size: int
+    target_hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int  # the target's V
+    draft_vocab_size: int
+    aux_layer_ids: tuple[int, ...]  # target decoder layers whose OUTPUTS are fused (0-based)
+    target_num_layers: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 4096
+
+    def __post_init__(self):
+        if self.draft_vocab_size > self.vocab_size:
+            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} exceeds the target vocab {self.vocab_size}")
+        if len(self.aux_layer_ids) != 3:
+            raise ValueError(f"EAGLE-3 fuses three target layers, got aux_layer_ids={self.aux_layer_ids}")
+        bad = [i for i in self.aux_layer_ids if not 0 <= i < self.target_num_layers]
+        if bad:
+            raise ValueError(f"aux layers {bad} are outside the target's {self.target_num_layers} layers")
+        object.__setattr__(self, "aux_layer_ids", tuple(int(i) for i in self.aux_layer_ids))
+
+    @classmethod
+    def from_target(cls, args: ModelArgs, draft_vocab_size: int, aux_layer_ids=None) -> "DraftConfig":
+        return cls(
+            hidden_size=args.hidden_size,
+            target_hidden_size=args.hidden_size,
+            intermediate_size=args.intermediate_size,
+            num_heads=args.num_heads,
+            num_kv_heads=args.num_kv_heads,
+            head_dim=args.head_dim,
+            vocab_size=args.vocab_size,
+            draft_vocab_size=draft_vocab_size,
+            aux_layer_ids=tuple(aux_layer_ids or args.default_aux_layers()),
+            target_num_layers=args.num_layers,
+            rms_norm_eps=args.rms_norm_eps,
+            rope_theta=args.rope_theta,
+            rope_scaling=args.rope_scaling,
+            max_position_embeddings=args.max_position_embeddings,
+        )
+
+    def layer_args(self) -> ModelArgs:
+        return ModelArgs(
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_layers=1, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+            rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
+            max_position_embeddings=self.max_position_embeddings,
+        )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class Midlayer(nn.Module):
+    """The single EAGLE-3 decoder layer; attention reads cat(norm(emb), norm(hidden)) of width 2H."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        H = args.hidden_size
+        self.input_layernorm = RMSNorm(H, args.rms_norm_eps)
+        self.hidden_norm = RMSNorm(H, args.rms_norm_eps)
+        self.self_attn = Attention(args, in_dim=2 * H)
+        self.post_attention_layernorm = RMSNorm(H, args.rms_norm_eps)
+        self.mlp = MLP(args)
+
+    def attn_input(self, emb, hidden):
+        return torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)  # (B, T, 2H)
+
+    def finish(self, hidden, attn_out):
+        h = hidden + attn_out  # residual is the incoming hidden state, not the embedding
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def forward(self, emb, hidden, cos, sin, input_pos, mask):
+        return self.finish(hidden, self.self_attn(self.attn_input(emb, hidden), cos, sin, input_pos, mask))
+
+
+class Eagle3Drafter(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.cfg = cfg
+        args = cfg.layer_args()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)  # shared with (copied from) the target, frozen
+        self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.midlayer = Midlayer(args)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool) if cfg.draft_vocab_size == cfg.vocab_size
+                             else torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        self.rotary = Rotary(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.max_len = 0
+
+    # ------------------------------------------------------------------ shared pieces
+
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        return self.fc(aux)  # (B, T, 3Ht) -> (B, T, H)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden)).float()  # (B, T, Vd)
+
+    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor):
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    def init_from_target(self, target) -> "Eagle3Drafter":
+        """Copy the target's embedding (frozen), and start norm + lm_head from the target's head
+        restricted to the draft vocab: the drafter then only has to learn the next hidden state."""
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(target.embed_tokens.weight)
+            if self.cfg.hidden_size == target.args.hidden_size:
+                ids = torch.arange(self.cfg.draft_vocab_size, device=self.d2t.device) + self.d2t
+                self.lm_head.weight.copy_(target.lm_head.weight[ids])
+                self.norm.weight.copy_(target.norm.weight)
+        return self
+
+    # ------------------------------------------------------------------ inference
+
+    def setup_caches(self, batch: int, max_len: int):
+        p = self.fc.weight
+        self.midlayer.self_attn.kv_cache = KVCache(batch, self.cfg.num_kv_heads, max_len, self.cfg.head_dim, p.dtype, p.device)
+        self.max_len = max_len
+
+    def forward(self, tokens, hidden, input_pos, mask=None, rope_pos=None) -> torch.Tensor:
+        """One drafting call through the KV cache. tokens: (B, T); hidden: (B, T, H), either
+        fuse(aux) of the target or a previous output. Returns the pre-norm output (B, T, H)."""
+        if mask is None:
+            mask = causal_mask(input_pos, self.max_len)
+        if rope_pos is None:
+            rope_pos = input_pos[None]
+        emb = self.embed_tokens(tokens)
+        cos, sin = self.rotary(rope_pos, emb.dtype)
+        return self.midlayer(emb, hidden, cos, sin, input_pos, mask)
+
+    # ------------------------------------------------------------------ training-time test
+
+    def ttt(self, input_ids: torch.Tensor, aux: torch.Tensor, depth: int,
+            position_ids: torch.Tensor | None = None, segment_ids: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Unrolled drafting for training. input_ids: (B, T); aux: (B, T, 3Ht). Returns `depth`
+        pre-norm outputs (B, T, H); output j at row t predicts the target's distribution z[t+1+j].
+        segment_ids (B, T) keep packed sequences from attending to each other; position_ids (B, T)
+        restart per sequence."""
+        B, T = input_ids.shape
+        attn = self.midlayer.self_attn
+        if position_ids is None:
+            position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
+        allowed = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()[None]  # (1, T, T)
+        if segment_ids is not None:
+            allowed = allowed & (segment_ids[:, :, None] == segment_ids[:, None, :])
+        allowed = allowed[:, None]  # (B|1, 1, T, T)
+        rep = attn.num_heads // attn.num_kv_heads
+        scale = attn.head_dim ** -0.5
+        hidden = self.fuse(aux)
+        k0 = v0 = None
+        diag_k, diag_v, outs = [], [], []
+        for j in range(depth):
+            tok = F.pad(input_ids[:, 1 + j:], (0, 1 + j), value=0)  # x[t+1+j] at row t
+            emb = self.embed_tokens(tok)
+            cos, sin = self.rotary(position_ids + j, emb.dtype)
+            q, k, v = attn.project(self.midlayer.attn_input(emb, hidden), cos, sin)  # (B, h|kv, T, D)
+            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+            if j == 0:
+                k0, v0 = k, v
+            else:
+                diag_k.append(k)
+                diag_v.append(v)
+            s0 = (q @ k0.transpose(-1, -2)) * scale  # (B, h, T, T)
+            s0 = s0.masked_fill(~allowed, float("-inf"))
+            sd = [(q * dk).sum(-1, keepdim=True) * scale for dk in diag_k]  # j x (B, h, T, 1)
+            p = torch.softmax(torch.cat([s0, *sd], dim=-1).float(), dim=-1).to(q.dtype)
+            y = p[..., :T] @ v0
+            for i, dv in enumerate(diag_v):
+                y = y + p[..., T + i: T + i + 1] * dv
+            y = attn.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+            hidden = self.midlayer.finish(hidden, y)
+            outs.append(hidden)
+        return outs
+
+
+def load_drafter(state: dict[str, torch.Tensor], cfg: DraftConfig, embed: torch.Tensor | None = None) -> Eagle3Drafter:
+    """Build a drafter from our (SGLang-named) state dict; embed_tokens comes from the target."""
+    model = Eagle3Drafter(cfg)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if k != "embed_tokens.weight"]
+    if missing or unexpected:
+        raise ValueError(f"drafter weights do not match the config: missing {missing}, unexpected {unexpected}")
+    if embed is not None:
+        with torch.no_grad():
+            model.embed_tokens.weight.copy_(embed)
+    return model

@@ -1,0 +1,58 @@
+"""Builders shared by tests: a native tiny target and drafters (random or stub)."""
+
+import torch
+
+from draftsmith.draft import DraftConfig, Eagle3Drafter
+from draftsmith.target import ModelArgs, Transformer, hf_to_native
+
+from conftest import make_hf_model
+
+
+def tiny_native(layers: int = 4, seed: int = 0, **overrides) -> Transformer:
+    hf = make_hf_model(layers=layers, seed=seed, **overrides)
+    args = ModelArgs.from_hf(hf.config.to_dict())
+    model = Transformer(args).eval()
+    model.load_state_dict(hf_to_native(hf.state_dict()), strict=False)
+    if args.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+def tiny_drafter(target: Transformer, draft_vocab: int | None = None, seed: int = 1) -> Eagle3Drafter:
+    torch.manual_seed(seed)
+    V = target.args.vocab_size
+    Vd = draft_vocab or V
+    cfg = DraftConfig.from_target(target.args, Vd)
+    drafter = Eagle3Drafter(cfg)
+    ids = torch.sort(torch.randperm(V)[:Vd]).values if Vd < V else torch.arange(V)
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[ids] = True
+    drafter.set_vocab(ids - torch.arange(Vd), t2d)
+    drafter.init_from_target(target)
+    return drafter.eval()
+
+
+class OracleDrafter(Eagle3Drafter):
+    """Proposes oracle[row + 2] (the true continuation) with probability `p_right`, otherwise a
+    wrong token: never / always / sometimes right, to exercise every acceptance path."""
+
+    def __init__(self, cfg: DraftConfig, oracle: list[int], p_right: float, seed: int = 0):
+        super().__init__(cfg)
+        self.oracle, self.p_right = oracle, p_right
+        self.gen = torch.Generator().manual_seed(seed)
+        self.row = 0
+
+    def forward(self, tokens, hidden, input_pos, mask=None, rope_pos=None):
+        self.row = int(input_pos[-1])
+        return torch.zeros(tokens.shape[0], tokens.shape[1], self.cfg.hidden_size)
+
+    def logits(self, hidden):
+        i = self.row + 2
+        want = self.oracle[i] if i < len(self.oracle) else 0
+        right = torch.rand((), generator=self.gen) < self.p_right
+        tok = want if right else (want + 1) % self.cfg.vocab_size
+        out = torch.full((hidden.shape[0], self.cfg.draft_vocab_size), -1e4)
+        out[:, tok] = 0.0
+        return out

@@ -1,0 +1,62 @@
+import torch
+
+from draftsmith.draft import DraftConfig, Eagle3Drafter
+
+from helpers import tiny_drafter, tiny_native
+
+
+def test_ttt_rows_match_step_by_step_inference():
+    """Step j at row t in training sees exactly what drafting token t+2+j sees at inference."""
+    target = tiny_native()
+    drafter = tiny_drafter(target, draft_vocab=128)
+    torch.manual_seed(0)
+    T, depth = 12, 4
+    ids = torch.randint(0, 320, (1, T))
+    aux = torch.randn(1, T, 3 * 64)
+    train = drafter.ttt(ids, aux, depth)
+    drafter.setup_caches(1, 32)
+    for t in [0, 3, 7]:
+        # rows 0..t from the target features, then chain steps fed the ground-truth tokens
+        h = drafter(ids[:, 1 : t + 2], drafter.fuse(aux[:, : t + 1]), torch.arange(t + 1))[:, -1:]
+        assert (h[0, 0] - train[0][0, t]).abs().max() < 1e-4
+        for j in range(1, depth):
+            if t + 1 + j >= T:
+                break
+            h = drafter(ids[:, t + 1 + j : t + 2 + j], h, torch.tensor([t + j]))
+            assert (h[0, 0] - train[j][0, t]).abs().max() < 1e-4, (t, j)
+
+
+def test_segments_do_not_see_each_other():
+    target = tiny_native()
+    drafter = tiny_drafter(target)
+    torch.manual_seed(0)
+    a, b = torch.randint(0, 320, (1, 8)), torch.randint(0, 320, (1, 6))
+    aux_a, aux_b = torch.randn(1, 8, 192), torch.randn(1, 6, 192)
+    packed = drafter.ttt(torch.cat([a, b], 1), torch.cat([aux_a, aux_b], 1), 3,
+                         position_ids=torch.cat([torch.arange(8), torch.arange(6)])[None],
+                         segment_ids=torch.cat([torch.zeros(8), torch.ones(6)])[None].long())
+    alone = drafter.ttt(b, aux_b, 3)
+    for j in range(3):
+        valid = 6 - 1 - j  # rows whose step-j input token lies inside b
+        assert (packed[j][0, 8 : 8 + valid] - alone[j][0, :valid]).abs().max() < 1e-4
+
+
+def test_config_rejects_bad_aux_layers():
+    target = tiny_native()
+    try:
+        DraftConfig.from_target(target.args, 100, aux_layer_ids=(1, 2, 9))
+    except ValueError as e:
+        assert "outside" in str(e)
+    else:
+        raise AssertionError("aux layer 9 of a 4-layer target was accepted")
+
+
+def test_init_from_target_copies_embedding_and_head_rows():
+    target = tiny_native()
+    drafter = tiny_drafter(target, draft_vocab=50)
+    ids = drafter.to_target(torch.arange(50))
+    assert torch.equal(drafter.lm_head.weight, target.lm_head.weight[ids])
+    assert torch.equal(drafter.embed_tokens.weight, target.embed_tokens.weight)
+    assert drafter.t2d.sum() == 50 and drafter.t2d[ids].all()
+    assert not drafter.embed_tokens.weight.requires_grad
+    assert isinstance(drafter, Eagle3Drafter)
