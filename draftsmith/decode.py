@@ -1,6 +1,7 @@
 """The decode engine: plain greedy decoding and EAGLE-3 chain speculation on one static cache.
 
-Reads top to bottom: prefill -> decode_plain -> draft_chain -> verify -> decode_chain.
+Reads top to bottom: sample -> generate_batch (many prompts, for regenerating training data)
+-> prefill -> decode_plain -> draft_chain -> verify -> decode_chain.
 Both paths run the same target forward (static KV cache, explicit slots), so a speed
 comparison between them measures speculation and nothing else, and at temperature 0 the
 speculative output must equal the plain output token for token.
@@ -43,6 +44,53 @@ def finish(tokens: list[int], max_new: int, eos_ids: tuple[int, ...]) -> tuple[l
         if t in eos_ids:
             return tokens[: i + 1], True
     return tokens[:max_new], len(tokens) >= max_new
+
+
+def sample(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0, generator=None) -> torch.Tensor:
+    """(B, V) logits -> (B,) tokens: argmax at temperature 0, else nucleus sampling."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        drop = sorted_p.cumsum(-1) - sorted_p > top_p  # keep the smallest prefix reaching top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def generate_batch(model: Transformer, prompts: list[list[int]], max_new: int, eos_ids=(), temperature: float = 0.0,
+                   top_p: float = 1.0, generator=None) -> list[list[int]]:
+    """Answer several prompts at once: left-padded into one static cache, each row with its own
+    rotary positions and a mask that hides its padding; finished rows are dropped from the batch."""
+    dev = model.embed_tokens.weight.device
+    B, L = len(prompts), max(len(p) for p in prompts)
+    model.setup_caches(B, L + max_new)
+    pad = torch.tensor([L - len(p) for p in prompts], device=dev)  # (B,)
+    tokens = torch.tensor([[0] * (L - len(p)) + p for p in prompts], device=dev)  # (B, L)
+    slots = torch.arange(L + max_new, device=dev)
+    rows = torch.arange(B, device=dev)  # which prompt each live batch row holds
+    answers: list[list[int]] = [[] for _ in prompts]
+    pos = torch.arange(L, device=dev)
+    for step in range(max_new):
+        mask = (slots[None, None, :] <= pos[None, :, None]) & (slots[None, None, :] >= pad[:, None, None])  # (B, T, S)
+        rope = (pos[None, :] - pad[:, None]).clamp(min=0)  # (B, T)
+        hidden = model(tokens, pos, mask[:, None], rope).hidden
+        nxt = sample(model.logits(hidden[:, -1]), temperature, top_p, generator)  # (B,)
+        live = []
+        for i, (r, t) in enumerate(zip(rows.tolist(), nxt.tolist())):
+            answers[r].append(t)
+            if t not in eos_ids:
+                live.append(i)
+        if not live:
+            break
+        if len(live) < len(rows):
+            keep = torch.tensor(live, device=dev)
+            rows, pad, nxt = rows[keep], pad[keep], nxt[keep]
+            model.keep_rows(keep)
+        tokens, pos = nxt[:, None], pos[-1:] + 1
+    return answers
 
 
 @torch.no_grad()

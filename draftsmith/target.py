@@ -88,7 +88,8 @@ class ModelArgs:
     def default_aux_layers(self) -> tuple[int, ...]:
         """Outputs of decoder layers 1, N//2-1 and N-4 (REFERENCE.md §1)."""
         n = self.num_layers
-        return (1, n // 2 - 1, n - 4) if n >= 5 else (0, max(n // 2 - 1, 0), n - 1)
+        # engines capture the input of a layer, so the last layer's output can never be an aux layer
+        return (1, n // 2 - 1, n - 4) if n >= 8 else (0, max(n // 2 - 1, 0), n - 2)
 
 
 # --------------------------------------------------------------------------- building blocks
@@ -166,6 +167,9 @@ class KVCache(nn.Module):
         self.v.index_copy_(2, input_pos, v)
         return self.k, self.v
 
+    def keep_rows(self, rows: torch.Tensor):
+        self.k, self.v = self.k[rows], self.v[rows]
+
     def move(self, src: torch.Tensor, dst: torch.Tensor):
         """Copy slots src -> dst (commit an accepted tree path to contiguous slots)."""
         self.k[:, :, dst] = self.k[:, :, src]
@@ -174,11 +178,8 @@ class KVCache(nn.Module):
 
 def attention(q, k, v, mask, scale=None):
     """SDPA with grouped-query heads. q: (B, h, T, D); k, v: (B, kv, S, D); mask: bool (B|1, 1, T, S)."""
-    rep = q.shape[1] // k.shape[1]
-    if rep > 1:
-        k = k.repeat_interleave(rep, dim=1)
-        v = v.repeat_interleave(rep, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    # enable_gqa reads each kv head for its query group in place; repeating the cache costs a full copy per step
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
 class Attention(nn.Module):
@@ -299,6 +300,11 @@ class Transformer(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def keep_rows(self, rows: torch.Tensor):
+        """Drop finished sequences from a batched cache."""
+        for layer in self.layers:
+            layer.self_attn.kv_cache.keep_rows(rows)
 
     def commit(self, src: torch.Tensor, dst: torch.Tensor):
         """Move cache slots src -> dst in every layer (tree verification keeps the accepted path)."""

@@ -1,0 +1,54 @@
+"""Small pieces every stage uses: the progress bar, resolved-config files, dtype names."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+
+class Progress:
+    """A tqdm bar over items that also shows a token rate (items, rate, ETA, tok/s)."""
+
+    def __init__(self, total: int, desc: str, unit: str = "it"):
+        self.bar = tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True, mininterval=1.0)
+        self.t0, self.tokens = time.perf_counter(), 0
+
+    @property
+    def total(self):
+        return self.bar.total
+
+    @total.setter
+    def total(self, n: int):
+        self.bar.total = n
+        self.bar.refresh()
+
+    def update(self, n: int = 1, tokens: int = 0, **metrics):
+        self.tokens += tokens
+        post = {k: f"{v:.4g}" if isinstance(v, float) else v for k, v in metrics.items()}
+        if self.tokens:
+            post["tok/s"] = f"{self.tokens / max(time.perf_counter() - self.t0, 1e-9):.1f}"
+        if post:
+            self.bar.set_postfix(post, refresh=False)
+        self.bar.update(n)
+
+    def close(self):
+        self.bar.close()
+
+
+def write_config(folder: str | Path, stage: str, config) -> Path:
+    """Every output folder gets the resolved config of the stage that wrote it."""
+    path = Path(folder) / f"{stage}_config.json"
+    path.write_text(json.dumps({"stage": stage, **asdict(config)}, indent=2, default=str))
+    return path
+
+
+def dtype_of(name: str) -> torch.dtype:
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name not in dtypes:
+        raise ValueError(f"dtype {name!r} is not one of {sorted(dtypes)}")
+    return dtypes[name]
