@@ -1,0 +1,151 @@
+"""Stage 5, bench: speculative decoding with the drafter against plain decoding, same engine.
+
+On MT-bench first turns (chat-templated, so the target answers as it does in serving), each
+prompt is decoded greedily twice: plain, one target step per token, and with EAGLE-3 chain
+speculation (k drafts, verify k+1). Reported: accept length tau (tokens per verification cycle,
+bonus token included) mean and distribution, tok/s of each, the speedup, and whether both
+produced identical tokens on every prompt (they must, at temperature 0). A warm-up prompt is
+decoded first and not counted. The last stdout line is the JSON result.
+
+    python -m draftsmith bench --target smollm2-135m --drafter runs/draft/drafter --prompts mt_bench.jsonl
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from draftsmith.common import Progress, dtype_of, write_config
+from draftsmith.data import load_eval, prompt_ids
+from draftsmith.decode import decode_chain, decode_plain
+from draftsmith.target import load_target
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    target: str
+    drafter: str  # a trained drafter folder (train's out/drafter) or an SGLang export folder
+    prompts: str  # MT-bench style JSONL
+    out: str | None = None  # folder for bench.json; nothing written when None
+    num_prompts: int = 80
+    max_new_tokens: int = 256
+    draft_tokens: int = 5
+    warmup: int = 1
+    device: str = "cpu"
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        if self.draft_tokens < 1 or self.num_prompts < 1 or self.max_new_tokens < 1:
+            raise ValueError("draft_tokens, num_prompts and max_new_tokens must be >= 1")
+
+
+@dataclass
+class BenchResult:
+    prompts: int
+    draft_tokens: int
+    tau_mean: float
+    tau_hist: dict  # accept length -> cycles
+    accept_rate: float  # (tau - 1) / k
+    baseline_tok_s: float
+    spec_tok_s: float
+    speedup: float
+    lossless: bool
+    mismatched_prompts: list
+    new_tokens: int
+    draft_s: float
+    verify_s: float
+    device: str
+    per_prompt: list = field(default_factory=list)
+
+
+def device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(device)
+    return f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def load_any_drafter(path: str, embed: torch.Tensor):
+    from draftsmith.export import load_export, load_trained
+
+    folder = Path(path)
+    if (folder / "config.json").exists() and (folder / "model.safetensors").exists():
+        drafter, _ = load_export(folder, embed)
+        return drafter
+    drafter, _ = load_trained(folder)
+    return drafter
+
+
+def run(config: BenchConfig) -> BenchResult:
+    target = load_target(config.target, config.device, dtype_of(config.dtype))
+    model = target.model
+    drafter = load_any_drafter(config.drafter, model.embed_tokens.weight.detach().float().cpu())
+    drafter = drafter.to(config.device, dtype_of(config.dtype)).eval()
+    if drafter.cfg.vocab_size != model.args.vocab_size or drafter.cfg.target_hidden_size != model.args.hidden_size:
+        raise ValueError(f"drafter {config.drafter} was built for another target (vocab {drafter.cfg.vocab_size}, "
+                         f"hidden {drafter.cfg.target_hidden_size})")
+    prompts = load_eval(config.prompts)[: config.warmup + config.num_prompts]
+    dev = torch.device(config.device)
+    ids = [torch.tensor([prompt_ids(target.tokenizer, p.turns)], device=dev) for p in prompts]
+    for x in ids[: config.warmup]:
+        decode_plain(model, x, 16, target.eos_ids)
+        decode_chain(model, drafter, x, 16, config.draft_tokens, target.eos_ids)
+    per, lengths = [], []
+    t_plain = t_spec = n_tok = d_s = v_s = 0.0
+    bar = Progress(len(ids) - config.warmup, "bench", unit="prompt")
+    for p, x in zip(prompts[config.warmup:], ids[config.warmup:]):
+        plain = decode_plain(model, x, config.max_new_tokens, target.eos_ids)
+        spec = decode_chain(model, drafter, x, config.max_new_tokens, config.draft_tokens, target.eos_ids)
+        same = plain.tokens == spec.tokens
+        per.append({"id": p.id, "tokens": len(plain.tokens), "plain_s": plain.seconds, "spec_s": spec.seconds,
+                    "tau": sum(spec.accept_lengths) / max(len(spec.accept_lengths), 1), "identical": same})
+        lengths += spec.accept_lengths
+        t_plain, t_spec, n_tok = t_plain + plain.seconds, t_spec + spec.seconds, n_tok + len(plain.tokens)
+        d_s, v_s = d_s + spec.draft_seconds, v_s + spec.verify_seconds
+        bar.update(1, tau=per[-1]["tau"], speedup=plain.seconds / spec.seconds)
+    bar.close()
+    tau = sum(lengths) / max(len(lengths), 1)
+    result = BenchResult(
+        prompts=len(per), draft_tokens=config.draft_tokens, tau_mean=tau,
+        tau_hist={str(k): v for k, v in sorted(Counter(lengths).items())}, accept_rate=(tau - 1) / config.draft_tokens,
+        baseline_tok_s=n_tok / t_plain, spec_tok_s=n_tok / t_spec, speedup=t_plain / t_spec,
+        lossless=all(r["identical"] for r in per), mismatched_prompts=[r["id"] for r in per if not r["identical"]],
+        new_tokens=int(n_tok), draft_s=d_s, verify_s=v_s, device=device_name(config.device), per_prompt=per,
+    )
+    if config.out:
+        out = Path(config.out)
+        out.mkdir(parents=True, exist_ok=True)
+        write_config(out, "bench", config)
+        (out / "bench.json").write_text(json.dumps(asdict(result), indent=2))
+    return result
+
+
+def table(r: BenchResult) -> str:
+    hist = "  ".join(f"{k}:{v}" for k, v in r.tau_hist.items())
+    rows = [
+        ("prompts", f"{r.prompts} ({r.new_tokens} new tokens, T=0)"),
+        ("draft tokens per cycle", str(r.draft_tokens)),
+        ("accept length (mean)", f"{r.tau_mean:.2f}   accept rate {r.accept_rate:.2f}"),
+        ("accept length histogram", hist),
+        ("plain decoding", f"{r.baseline_tok_s:.1f} tok/s"),
+        ("speculative decoding", f"{r.spec_tok_s:.1f} tok/s   (draft {r.draft_s:.1f}s, verify {r.verify_s:.1f}s)"),
+        ("speedup", f"{r.speedup:.2f}x"),
+        ("identical to plain", "yes, every prompt" if r.lossless else f"NO: {r.mismatched_prompts}"),
+        ("device", r.device),
+    ]
+    w = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)

@@ -1,0 +1,290 @@
+"""Stage 3, train: an EAGLE-3 drafter with training-time test (TTT) on extracted hidden states.
+
+Per step, samples are packed into one row of `batch_tokens` (no padding), the drafter is
+unrolled `ttt_depth` steps (draft.py), and each step's output is scored against the target's
+own distribution over the draft vocab, recomputed from the stored final hidden state with the
+frozen target head (REFERENCE.md §2):
+
+    loss = sum_j 0.8^j * KL(softmax(z_target[t+1+j] | draft vocab) || q_j[t])  on assistant tokens
+
+acc_j is agreement with the target's greedy token and the simulated accept length is
+1 + sum_k prod_{i<=k} acc_i. Checkpoints hold model, optimizer, scheduler, step, data
+position and RNG state, written atomically; rerunning the same command resumes exactly.
+
+    python -m draftsmith train --target smollm2-135m --data runs/hs --out runs/draft
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from draftsmith.common import Progress, write_config
+from draftsmith.draft import DraftConfig, Eagle3Drafter
+from draftsmith.export import save_trained
+from draftsmith.extract import HiddenStates
+from draftsmith.target import load_target
+from draftsmith.vocab import build_vocab, count_tokens
+
+STEP_DECAY = 0.8
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    target: str
+    data: str  # extract's output folder
+    out: str
+    draft_vocab_size: int = 32000  # capped at the target vocab
+    ttt_depth: int = 7
+    epochs: int = 1
+    lr: float = 1e-4
+    warmup_ratio: float = 0.015
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    batch_tokens: int = 4096  # packed tokens per optimizer step
+    eval_fraction: float = 0.05
+    save_every: int = 100  # optimizer steps between checkpoints
+    init_head_from_target: bool = True
+    seed: int = 0
+    max_steps: int | None = None  # stop early (the schedule still spans all epochs)
+    device: str = "cpu"
+
+    def __post_init__(self):
+        if self.ttt_depth < 1 or self.epochs < 1 or self.batch_tokens < 16:
+            raise ValueError("need ttt_depth >= 1, epochs >= 1, batch_tokens >= 16")
+        if not 0 <= self.eval_fraction < 1:
+            raise ValueError("eval_fraction must be in [0, 1)")
+
+
+@dataclass
+class TrainResult:
+    out: str
+    steps: int
+    seconds: float
+    eval: dict  # held-out loss_j, acc_j, accept length
+    vocab_coverage: float
+
+
+# --------------------------------------------------------------------------- data
+
+
+def split(n: int, eval_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    k = int(n * eval_fraction) if n > 1 else 0
+    return sorted(order[k:]), sorted(order[:k])
+
+
+def pack(samples: list[dict], device) -> dict:
+    """Concatenate samples into one (1, T) row with segment and position ids."""
+    cat = {k: torch.cat([s[k] for s in samples])[None].to(device) for k in samples[0]}
+    cat["segment_ids"] = torch.cat([torch.full((len(s["input_ids"]),), i) for i, s in enumerate(samples)])[None].to(device)
+    cat["position_ids"] = torch.cat([torch.arange(len(s["input_ids"])) for s in samples])[None].to(device)
+    return cat
+
+
+def batches(data: HiddenStates, indices: list[int], batch_tokens: int, start: int = 0):
+    """Greedy packing in the given order; yields (next cursor, packed samples)."""
+    i = start
+    while i < len(indices):
+        group, n = [], 0
+        while i < len(indices):
+            s = data[indices[i]]
+            length = min(len(s["input_ids"]), batch_tokens)
+            if group and n + length > batch_tokens:
+                break
+            group.append({k: v[:length] for k, v in s.items()})
+            n, i = n + length, i + 1
+        yield i, group
+
+
+# --------------------------------------------------------------------------- objective
+
+
+def ttt_loss(drafter: Eagle3Drafter, head: torch.Tensor, batch: dict, depth: int):
+    """Weighted TTT loss plus per-step (loss_j, acc_j, count_j). head: (Vd, H) target rows."""
+    ids = batch["input_ids"].long()
+    T = ids.shape[1]
+    dtype = drafter.fc.weight.dtype
+    outs = drafter.ttt(ids, batch["aux"].to(dtype), depth, batch["position_ids"], batch["segment_ids"])
+    with torch.no_grad():
+        target_logits = (batch["final"].to(head.dtype) @ head.T).float()  # (1, T, Vd)
+    seg, mask, argmax = batch["segment_ids"], batch["loss_mask"].bool(), batch["argmax"].long()
+    total, stats = 0.0, []
+    for j, h in enumerate(outs):
+        n = T - 1 - j  # row t is scored against the target at t+1+j, which predicts token t+2+j
+        if n <= 1:
+            stats.append((0.0, 0.0, 0))
+            continue
+        nxt = torch.arange(1 + j, T, device=ids.device)
+        rows = torch.arange(n, device=ids.device)
+        pred_tok = torch.clamp(nxt + 1, max=T - 1)
+        valid = (seg[0, rows] == seg[0, nxt]) & (seg[0, pred_tok] == seg[0, nxt]) & (nxt + 1 < T) & mask[0, pred_tok]
+        if not valid.any():
+            stats.append((0.0, 0.0, 0))
+            continue
+        q = drafter.logits(h[0, rows[valid]])  # (n', Vd)
+        log_p = F.log_softmax(target_logits[0, nxt[valid]], dim=-1)
+        # forward KL: the soft cross-entropy minus the target's entropy (same gradient, 0 when matched)
+        loss_j = (log_p.exp() * (log_p - F.log_softmax(q, dim=-1))).sum(-1).mean()
+        with torch.no_grad():
+            acc = (drafter.to_target(q.argmax(-1)) == argmax[0, nxt[valid]]).float().mean()
+        total = total + STEP_DECAY**j * loss_j
+        stats.append((float(loss_j.detach()), float(acc), int(valid.sum())))
+    return total, stats
+
+
+def accept_length(accs: list[float]) -> float:
+    """Simulated accept length 1 + sum_k prod_{i<=k} acc_i."""
+    tau, run = 1.0, 1.0
+    for a in accs:
+        run *= a
+        tau += run
+    return tau
+
+
+def summarize(stats: list[list[tuple]]) -> dict:
+    depth = len(stats[0])
+    loss, acc = [], []
+    for j in range(depth):
+        n = sum(s[j][2] for s in stats)
+        loss.append(sum(s[j][0] * s[j][2] for s in stats) / max(n, 1))
+        acc.append(sum(s[j][1] * s[j][2] for s in stats) / max(n, 1))
+    return {"loss": loss, "acc": acc, "accept_length": accept_length(acc)}
+
+
+@torch.no_grad()
+def evaluate(drafter, head, data, indices, cfg: TrainConfig) -> dict:
+    if not indices:
+        return {}
+    drafter.eval()
+    stats = [ttt_loss(drafter, head, pack(g, cfg.device), cfg.ttt_depth)[1] for _, g in batches(data, indices, cfg.batch_tokens)]
+    drafter.train()
+    return summarize(stats)
+
+
+# --------------------------------------------------------------------------- state
+
+
+def lr_lambda(total: int, warmup: int):
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(total - warmup, 1)
+        return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+    return f
+
+
+def save_checkpoint(folder: Path, drafter, opt, sched, state: dict):
+    tmp = folder.with_name(folder.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in drafter.state_dict().items()}, str(tmp / "model.safetensors"))
+    torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "rng": torch.get_rng_state(), **state},
+               tmp / "state.pt")
+    if folder.exists():
+        old = folder.with_name(folder.name + ".old")
+        folder.rename(old)
+        tmp.rename(folder)
+        for f in old.iterdir():
+            f.unlink()
+        old.rmdir()
+    else:
+        tmp.rename(folder)
+
+
+def load_checkpoint(folder: Path, drafter, opt, sched) -> dict:
+    drafter.load_state_dict(load_file(str(folder / "model.safetensors")))
+    state = torch.load(folder / "state.pt", weights_only=True)
+    opt.load_state_dict(state.pop("optimizer"))
+    sched.load_state_dict(state.pop("scheduler"))
+    torch.set_rng_state(state.pop("rng"))
+    return state
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def build_drafter(cfg: TrainConfig, target, data: HiddenStates, train_idx: list[int]):
+    args = target.model.args
+    aux = tuple(data.manifest["aux_layer_ids"])
+    vocab = build_vocab(count_tokens((data[i] for i in train_idx), args.vocab_size), min(cfg.draft_vocab_size, args.vocab_size))
+    torch.manual_seed(cfg.seed)
+    drafter = Eagle3Drafter(DraftConfig.from_target(args, len(vocab.d2t), aux))
+    drafter.set_vocab(vocab.d2t, vocab.t2d)
+    drafter.embed_tokens.weight.data.copy_(target.model.embed_tokens.weight)
+    if cfg.init_head_from_target:
+        drafter.init_from_target(target.model)
+    return drafter.to(cfg.device), vocab.coverage
+
+
+def run(config: TrainConfig) -> TrainResult:
+    t0 = time.perf_counter()
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_config(out, "train", config)
+    target = load_target(config.target, config.device)
+    data = HiddenStates(config.data)
+    if data.manifest.get("hidden_size") != target.model.args.hidden_size:
+        raise ValueError(f"{config.data} was extracted from a target of hidden size {data.manifest.get('hidden_size')}, "
+                         f"not {config.target} ({target.model.args.hidden_size})")
+    train_idx, eval_idx = split(len(data), config.eval_fraction, config.seed)
+    drafter, coverage = build_drafter(config, target, data, train_idx)
+    head = target.model.lm_head.weight[drafter.to_target(torch.arange(drafter.cfg.draft_vocab_size))].detach()
+    head = head.to(config.device)
+    del target
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95))
+    steps_per_epoch = sum(1 for _ in batches(data, train_idx, config.batch_tokens))
+    total = steps_per_epoch * config.epochs
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total, max(1, int(total * config.warmup_ratio))))
+    ckpt = out / "checkpoint"
+    state = {"step": 0, "epoch": 0, "cursor": 0}
+    if (ckpt / "state.pt").exists():
+        state = load_checkpoint(ckpt, drafter, opt, sched)
+        print(f"resumed from {ckpt} at step {state['step']} (epoch {state['epoch']}, sample {state['cursor']})")
+    log = open(out / "metrics.jsonl", "a")
+    bar = Progress(total, "train", unit="step")
+    bar.update(state["step"])
+    drafter.train()
+    stop = False
+    while state["epoch"] < config.epochs and not stop:
+        order = [train_idx[i] for i in torch.randperm(len(train_idx), generator=torch.Generator().manual_seed(config.seed + state["epoch"]))]
+        for cursor, group in batches(data, order, config.batch_tokens, state["cursor"]):
+            loss, stats = ttt_loss(drafter, head, pack(group, config.device), config.ttt_depth)
+            opt.zero_grad(set_to_none=True)
+            if torch.is_tensor(loss):
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
+                opt.step()
+            sched.step()
+            state.update(step=state["step"] + 1, cursor=cursor)
+            s = summarize([stats])
+            log.write(json.dumps({"step": state["step"], "lr": sched.get_last_lr()[0], **s}) + "\n")
+            bar.update(1, tokens=sum(len(g["input_ids"]) for g in group), loss=s["loss"][0], acc0=s["acc"][0],
+                       tau=s["accept_length"])
+            if state["step"] % config.save_every == 0:
+                log.flush()
+                save_checkpoint(ckpt, drafter, opt, sched, state)
+            if config.max_steps and state["step"] >= config.max_steps:
+                stop = True
+                break
+        else:
+            metrics = evaluate(drafter, head, data, eval_idx, config)
+            state.update(epoch=state["epoch"] + 1, cursor=0)
+            log.write(json.dumps({"epoch": state["epoch"], "eval": metrics}) + "\n")
+            print(f"epoch {state['epoch']}: held-out acc {[round(a, 3) for a in metrics.get('acc', [])]} "
+                  f"accept length {metrics.get('accept_length', float('nan')):.2f}")
+    bar.close()
+    log.close()
+    save_checkpoint(ckpt, drafter, opt, sched, state)
+    final = evaluate(drafter, head, data, eval_idx, config)
+    save_trained(drafter.eval(), out / "drafter", {"path": data.manifest.get("target"), "spec": config.target,
+                                                   "hf_config": json.loads((Path(data.manifest["target"]) / "config.json").read_text())})
+    (out / "eval.json").write_text(json.dumps(final, indent=2))
+    return TrainResult(str(out), state["step"], time.perf_counter() - t0, final, coverage)

@@ -1,0 +1,72 @@
+import json
+
+import pytest
+
+from draftsmith import decode, generate
+from draftsmith.generate import GenerateConfig, read_done
+
+
+def write_prompts(path, n):
+    path.write_text("".join(json.dumps({"question": f"What is {i} plus {i}?"}) + "\n" for i in range(n)))
+    return path
+
+
+def ids_in(path):
+    return [json.loads(line)["id"] for line in path.read_text().splitlines()]
+
+
+def test_interrupted_run_resumes_without_redoing_or_duplicating(tiny_target_dir, tmp_path, monkeypatch):
+    prompts = write_prompts(tmp_path / "p.jsonl", 10)
+    cfg = GenerateConfig(target=str(tiny_target_dir), prompts=(str(prompts),), out=str(tmp_path / "gen"),
+                         max_new_tokens=8, batch_size=3)
+    real, calls = decode.generate_batch, []
+
+    def crash_on_third(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(generate, "generate_batch", crash_on_third)
+    with pytest.raises(KeyboardInterrupt):
+        generate.run(cfg)
+    assert len(ids_in(tmp_path / "gen" / "answers.jsonl")) == 6  # two finished batches kept
+    monkeypatch.setattr(generate, "generate_batch", real)
+    result = generate.run(cfg)
+    assert result.written == 4 and result.total == 10
+    ids = ids_in(tmp_path / "gen" / "answers.jsonl")
+    assert sorted(ids) == sorted(f"p/{i}" for i in range(10))
+    assert generate.run(cfg).written == 0  # a third run has nothing to do
+    assert (tmp_path / "gen" / "generate_config.json").exists()
+
+
+def test_torn_last_line_is_dropped_and_redone(tmp_path):
+    path = tmp_path / "answers.jsonl"
+    path.write_text(json.dumps({"id": "a"}) + "\n" + '{"id": "b", "conv')
+    assert read_done(path) == {"a"}
+    assert path.read_text() == json.dumps({"id": "a"}) + "\n"
+
+
+def test_answers_are_the_targets_own_greedy_output(tiny_target_dir, tmp_path):
+    from draftsmith.data import prompt_ids
+    from draftsmith.target import load_target
+    import torch
+
+    prompts = write_prompts(tmp_path / "p.jsonl", 4)
+    generate.run(GenerateConfig(target=str(tiny_target_dir), prompts=(str(prompts),), out=str(tmp_path / "g"),
+                                max_new_tokens=12, batch_size=4))
+    target = load_target(str(tiny_target_dir))
+    rec = [json.loads(l) for l in (tmp_path / "g" / "answers.jsonl").read_text().splitlines()]
+    for r in rec:  # batched, left-padded generation equals one-at-a-time greedy decoding
+        ids = torch.tensor([prompt_ids(target.tokenizer, [r["conversations"][0]["content"]])])
+        plain = decode.decode_plain(target.model, ids, 12, target.eos_ids).tokens
+        assert r["answer_tokens"] == len(plain)
+        stop = plain[-1] in target.eos_ids
+        assert r["conversations"][1]["content"] == target.tokenizer.decode(plain[:-1] if stop else plain)
+
+
+def test_bad_config_is_refused():
+    with pytest.raises(ValueError, match="prompt file"):
+        GenerateConfig(target="x", prompts=(), out="o")
+    with pytest.raises(ValueError, match="top_p"):
+        GenerateConfig(target="x", prompts=("p",), out="o", top_p=0)
