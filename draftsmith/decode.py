@@ -1,7 +1,9 @@
 """The decode engine: plain greedy decoding and EAGLE-3 chain speculation on one static cache.
 
 Reads top to bottom: sample -> generate_batch (many prompts, for regenerating training data)
--> prefill -> decode_plain -> draft_chain -> verify -> decode_chain.
+-> prefill -> decode_plain -> draft_chain -> verify -> decode_chain -> draft_tree -> verify_tree
+-> decode_tree (EAGLE-2 style: top-k expansion, rerank by cumulative draft probability, verify
+the best N nodes in one target pass under a tree attention mask).
 Both paths run the same target forward (static KV cache, explicit slots), so a speed
 comparison between them measures speculation and nothing else, and at temperature 0 the
 speculative output must equal the plain output token for token.
@@ -182,6 +184,157 @@ def decode_chain(model: Transformer, drafter: Eagle3Drafter, prompt: torch.Tenso
         gen.tokens.extend(accepted.tolist())
         gen.accept_lengths.append(n + 1)
         # drafter catch-up on the verified rows pos..pos+n, overwriting its speculative slots
+        h = drafter(accepted[None], drafter.fuse(aux), torch.arange(pos, pos + n + 1, device=dev))
+        pending, pos = bonus, pos + n + 1
+    sync(dev)
+    gen.tokens = finish(gen.tokens, max_new, eos_ids)[0]
+    gen.seconds = time.perf_counter() - t0
+    return gen
+
+
+# --------------------------------------------------------------------------- tree speculation
+
+
+@dataclass(frozen=True)
+class TreeSpec:
+    topk: int = 4  # children kept per expanded node, and nodes expanded per level
+    steps: int = 5  # draft depth
+    num_draft_tokens: int = 16  # tree nodes verified per cycle (the root, i.e. the pending token, not counted)
+
+    def __post_init__(self):
+        if self.topk < 1 or self.steps < 1 or self.num_draft_tokens < 1:
+            raise ValueError("topk, steps and num_draft_tokens must be >= 1")
+
+
+@dataclass
+class DraftTree:
+    tokens: torch.Tensor  # (N,) target ids, parents before children
+    parents: torch.Tensor  # (N,) index of the parent node; -1 for children of the root
+    depth: torch.Tensor  # (N,) 1 for children of the root
+
+    def ancestors(self) -> torch.Tensor:
+        """(N+1, N+1) bool, root at index 0: entry [i, j] when j is i or an ancestor of i."""
+        n = len(self.tokens)
+        anc = torch.eye(n + 1, dtype=torch.bool, device=self.tokens.device)
+        anc[:, 0] = True
+        for i, p in enumerate(self.parents.tolist()):  # parents precede children, so their rows are complete
+            if p >= 0:
+                anc[i + 1] |= anc[p + 1]
+        return anc
+
+
+@torch.no_grad()
+def draft_tree(drafter: Eagle3Drafter, last_hidden: torch.Tensor, pos: int, spec: TreeSpec) -> DraftTree:
+    """Expand `topk` children of the best `topk` nodes per level for `spec.steps` levels, then keep the
+    `num_draft_tokens` nodes of highest cumulative draft log-probability (an ancestor never scores
+    below its descendants, so the kept set is a tree). Frontier nodes of level d use drafter slots
+    pos + (d-1)*topk + i and RoPE position pos-1+d."""
+    dev = last_hidden.device
+    K = spec.topk
+    logp = torch.log_softmax(drafter.logits(last_hidden[:, -1]), -1)[0]  # (Vd,)
+    score, ids = logp.topk(K)
+    tokens, parents, depth, scores = [drafter.to_target(ids)], [torch.full((K,), -1, device=dev)], [torch.ones(K, device=dev, dtype=torch.long)], [score]
+    frontier = torch.arange(K, device=dev)  # node indices
+    hidden = last_hidden.expand(1, K, -1)  # the state each frontier node was predicted from
+    slots_of = {}  # node index -> drafter slot
+    prefix = torch.arange(drafter.max_len, device=dev) < pos  # (S,)
+    for d in range(2, spec.steps + 1):
+        all_tokens, all_parents = torch.cat(tokens), torch.cat(parents)
+        slots = pos + (d - 2) * K + torch.arange(len(frontier), device=dev)
+        for f, sl in zip(frontier.tolist(), slots.tolist()):
+            slots_of[f] = sl
+        mask = prefix.expand(len(frontier), -1).clone()  # (F, S)
+        for i, f in enumerate(frontier.tolist()):
+            node = f
+            while node >= 0:  # the node itself and its expanded ancestors
+                mask[i, slots_of[node]] = True
+                node = int(all_parents[node])
+        h = drafter(all_tokens[frontier][None], hidden, slots, mask[None, None], torch.full((1, len(frontier)), pos - 2 + d, device=dev))
+        child = torch.log_softmax(drafter.logits(h[0]), -1)  # (F, Vd)
+        cand = torch.cat(scores)[frontier][:, None] + child  # cumulative
+        top_s, top_i = cand.topk(K, dim=-1)  # (F, K) each
+        base = len(all_tokens)
+        tokens.append(drafter.to_target(top_i.flatten()))
+        parents.append(frontier.repeat_interleave(K))
+        depth.append(torch.full((len(frontier) * K,), d, device=dev, dtype=torch.long))
+        scores.append(top_s.flatten())
+        best = top_s.flatten().topk(min(K, top_s.numel())).indices
+        frontier = base + best
+        hidden = h[:, best // K]
+    all_tokens, all_parents, all_depth, all_scores = torch.cat(tokens), torch.cat(parents), torch.cat(depth), torch.cat(scores)
+    keep = all_scores.topk(min(spec.num_draft_tokens, len(all_scores))).indices
+    keep_set = set(keep.tolist())
+    keep = [i for i in keep.tolist() if all(a in keep_set for a in _path(all_parents, i))]  # guard against ties
+    keep.sort(key=lambda i: (int(all_depth[i]), i))
+    new_index = {old: new for new, old in enumerate(keep)}
+    keep_t = torch.tensor(keep, device=dev)
+    par = torch.tensor([new_index.get(int(all_parents[i]), -1) for i in keep], device=dev)
+    return DraftTree(all_tokens[keep_t], par, all_depth[keep_t])
+
+
+def _path(parents: torch.Tensor, i: int) -> list[int]:
+    out, p = [], int(parents[i])
+    while p >= 0:
+        out.append(p)
+        p = int(parents[p])
+    return out
+
+
+@torch.no_grad()
+def verify_tree(model: Transformer, pending: torch.Tensor, tree: DraftTree, pos: int, capture):
+    """One target pass over [pending, tree nodes] at slots pos..pos+N under the tree mask; greedy walk
+    from the root; the accepted path is moved to slots pos+1..pos+n. Returns (n, bonus, aux rows)."""
+    dev = pending.device
+    n_nodes = len(tree.tokens) + 1
+    seq = torch.cat([pending, tree.tokens])[None]  # (1, N+1)
+    slots = torch.arange(pos, pos + n_nodes, device=dev)
+    mask = torch.zeros(n_nodes, model.max_len, dtype=torch.bool, device=dev)
+    mask[:, :pos] = True
+    mask[:, pos : pos + n_nodes] = tree.ancestors()
+    rope = (pos + torch.cat([torch.zeros(1, device=dev, dtype=torch.long), tree.depth]))[None]
+    out = model(seq, slots, mask[None, None], rope, capture=capture)
+    best = model.logits(out.hidden[0]).argmax(-1).tolist()  # (N+1,)
+    children: dict[int, dict[int, int]] = {}
+    for i, (p, t) in enumerate(zip(tree.parents.tolist(), tree.tokens.tolist())):
+        children.setdefault(p + 1, {}).setdefault(t, i + 1)
+    path, cur = [], 0
+    while best[cur] in children.get(cur, {}):
+        cur = children[cur][best[cur]]
+        path.append(cur)
+    if path:
+        model.commit(pos + torch.tensor(path, device=dev), torch.arange(pos + 1, pos + 1 + len(path), device=dev))
+    rows = torch.tensor([0] + path, device=dev)
+    return len(path), torch.tensor([best[cur]], device=dev), out.aux[:, rows], seq[0, rows[1:]]
+
+
+@torch.no_grad()
+def decode_tree(model: Transformer, drafter: Eagle3Drafter, prompt: torch.Tensor, max_new: int, spec: TreeSpec,
+                eos_ids=()) -> Generation:
+    """EAGLE-2 style tree speculation at temperature 0."""
+    dev = prompt.device
+    T = prompt.shape[1]
+    capture = drafter.cfg.aux_layer_ids
+    model.setup_caches(1, T + max_new + spec.num_draft_tokens + 2)
+    drafter.setup_caches(1, T + max_new + spec.steps * spec.topk + 2)
+    sync(dev)
+    t0 = time.perf_counter()
+    pending, first = prefill(model, prompt, capture)
+    h = drafter(torch.cat([prompt[0, 1:], pending])[None], drafter.fuse(first.aux), torch.arange(T, device=dev))
+    sync(dev)
+    gen = Generation([int(pending)], 0.0, time.perf_counter() - t0)
+    pos = T
+    while not finish(gen.tokens, max_new, eos_ids)[1]:
+        t1 = time.perf_counter()
+        tree = draft_tree(drafter, h[:, -1:], pos, spec)
+        sync(dev)
+        t2 = time.perf_counter()
+        n, bonus, aux, path_tokens = verify_tree(model, pending, tree, pos, capture)
+        sync(dev)
+        gen.draft_seconds += t2 - t1
+        gen.verify_seconds += time.perf_counter() - t2
+        accepted = torch.cat([path_tokens, bonus])
+        gen.tokens.extend(accepted.tolist())
+        gen.accept_lengths.append(n + 1)
         h = drafter(accepted[None], drafter.fuse(aux), torch.arange(pos, pos + n + 1, device=dev))
         pending, pos = bonus, pos + n + 1
     sync(dev)

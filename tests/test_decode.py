@@ -51,3 +51,69 @@ def test_eos_and_max_new_are_respected(target):
     drafter = tiny_drafter(target)
     assert decode_chain(target, drafter, prompt, 30, 3, eos_ids=(eos,)).tokens == cut.tokens
     assert len(decode_chain(target, drafter, prompt, 13, 5).tokens) == 13
+
+
+# --------------------------------------------------------------------------- trees
+
+from draftsmith.decode import DraftTree, TreeSpec, decode_tree, verify_tree  # noqa: E402
+
+
+@pytest.mark.parametrize("spec", [TreeSpec(2, 3, 4), TreeSpec(4, 5, 16), TreeSpec(1, 4, 4)], ids=["small", "wide", "chain-like"])
+def test_tree_equals_greedy_with_a_random_drafter(target, spec):
+    drafter = tiny_drafter(target, draft_vocab=200)
+    for seed in range(2):
+        prompt = torch.randint(3, 320, (1, 8), generator=torch.Generator().manual_seed(seed))
+        plain = decode_plain(target, prompt, 40)
+        tree = decode_tree(target, drafter, prompt, 40, spec)
+        assert tree.tokens == plain.tokens
+
+
+@pytest.mark.parametrize("p_right", [0.0, 1.0, 0.5])
+def test_tree_equals_greedy_for_stub_drafters(target, p_right):
+    prompt = torch.randint(3, 320, (1, 7), generator=torch.Generator().manual_seed(5))
+    plain = decode_plain(target, prompt, 50)
+    oracle = prompt[0].tolist() + plain.tokens + [0] * 20
+    drafter = OracleDrafter(DraftConfig.from_target(target.args, target.args.vocab_size), oracle, p_right)
+    spec = TreeSpec(topk=2, steps=4, num_draft_tokens=8)
+    out = decode_tree(target, drafter, prompt, 50, spec)
+    assert out.tokens == plain.tokens
+    if p_right == 1.0:
+        assert max(out.accept_lengths) == spec.steps + 1
+
+
+def test_hand_built_tree_mask_and_commit(target):
+    """Each node's logits equal a plain forward over prefix + its path; after the commit the cache
+    holds the accepted path contiguously, so decoding continues exactly as plain greedy does."""
+    prompt = torch.randint(3, 320, (1, 6), generator=torch.Generator().manual_seed(3))
+    plain = decode_plain(target, prompt, 6).tokens  # greedy continuation g0 g1 g2 ...
+    g = plain
+    #        root(g0)
+    #       /    |     \
+    #     g1     7      9
+    #    /  \     \
+    #  g2    5     11
+    #  |
+    #  13
+    tree = DraftTree(tokens=torch.tensor([g[1], 7, 9, g[2], 5, 11, 13]),
+                     parents=torch.tensor([-1, -1, -1, 0, 0, 1, 3]),
+                     depth=torch.tensor([1, 1, 1, 2, 2, 2, 3]))
+    T = prompt.shape[1]
+    target.setup_caches(1, 64)
+    target(prompt, torch.arange(T))
+    n, bonus, aux, path = verify_tree(target, torch.tensor([g[0]]), tree, T, capture=(1,))
+    assert n == 2 and path.tolist() == [g[1], g[2]] and int(bonus) == g[3]
+    # node 13 (path g0 g1 g2 13): its hidden state must equal a plain forward over that sequence
+    ref = tiny_native()
+    ref.setup_caches(1, 64)
+    seq = torch.cat([prompt[0], torch.tensor([g[0], g[1], g[2]])])[None]
+    want = ref(seq, torch.arange(seq.shape[1]), capture=(1,))
+    assert (aux[0, 2] - want.aux[0, -1]).abs().max() < 1e-4
+    # the committed cache continues like plain decoding: feed the bonus token at the next slot
+    h = target(bonus[None], torch.tensor([T + 3])).hidden
+    assert int(target.logits(h[:, -1]).argmax(-1)) == g[4]
+
+
+def test_tree_ancestor_matrix():
+    tree = DraftTree(torch.tensor([5, 6, 7]), torch.tensor([-1, 0, -1]), torch.tensor([1, 2, 1]))
+    anc = tree.ancestors().int().tolist()
+    assert anc == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 1]]

@@ -1,0 +1,24 @@
+import json
+
+from draftsmith.bench import BenchConfig, run, table
+from draftsmith.export import export_sglang, save_trained
+
+from helpers import tiny_drafter
+from draftsmith.target import load_target
+
+
+def test_bench_reports_identical_outputs_and_accept_lengths(tiny_target_dir, tmp_path):
+    target = load_target(str(tiny_target_dir))
+    drafter = tiny_drafter(target.model, draft_vocab=200)
+    prompts = tmp_path / "mt.jsonl"
+    prompts.write_text("".join(json.dumps({"question_id": i, "turns": [f"Tell me about {w}.", "More?"]}) + "\n"
+                               for i, w in enumerate(["the sea", "Paris", "a fox", "code"])))
+    for path in (save_trained(drafter, tmp_path / "trained"), export_sglang(drafter, tmp_path / "sglang")):
+        r = run(BenchConfig(target=str(tiny_target_dir), drafter=str(path), prompts=str(prompts), out=str(tmp_path / "b"),
+                            num_prompts=3, max_new_tokens=20, draft_tokens=3))
+        assert r.prompts == 3 and r.lossless and r.mismatched_prompts == []
+        assert 1.0 <= r.tau_mean <= 4.0
+        assert sum(int(k) * v for k, v in r.tau_hist.items()) + 3 >= r.new_tokens  # + the prefill token per prompt
+        assert r.speedup > 0 and "identical to plain" in table(r)
+    saved = json.loads((tmp_path / "b" / "bench.json").read_text())
+    assert saved["lossless"] is True and len(saved["per_prompt"]) == 3
