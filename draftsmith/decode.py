@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from draftsmith.cudagraph import Graphs, eager
 from draftsmith.draft import Eagle3Drafter
 from draftsmith.target import Transformer
 
@@ -71,7 +72,7 @@ def generate_batch(model: Transformer, prompts: list[list[int]], max_new: int, e
     model.setup_caches(B, L + max_new)
     pad = torch.tensor([L - len(p) for p in prompts], device=dev)  # (B,)
     tokens = torch.tensor([[0] * (L - len(p)) + p for p in prompts], device=dev)  # (B, L)
-    slots = torch.arange(L + max_new, device=dev)
+    slots = torch.arange(model.max_len, device=dev)  # the cache may be longer than L + max_new
     rows = torch.arange(B, device=dev)  # which prompt each live batch row holds
     answers: list[list[int]] = [[] for _ in prompts]
     pos = torch.arange(L, device=dev)
@@ -103,65 +104,76 @@ def prefill(model: Transformer, prompt: torch.Tensor, capture=()):
     return model.logits(out.hidden[:, -1]).argmax(-1), out  # (1,), TargetOutput
 
 
+def target_step(model: Transformer, capture=()):
+    """The target over tokens (1, T) at slots pos..pos+T-1 -> (greedy token after each, aux)."""
+    def step(tokens, pos):
+        out = model(tokens, pos + torch.arange(tokens.shape[1], device=pos.device), capture=capture)
+        return model.logits(out.hidden[0]).argmax(-1), out.aux
+    return step
+
+
 @torch.no_grad()
-def decode_plain(model: Transformer, prompt: torch.Tensor, max_new: int, eos_ids=()) -> Generation:
+def decode_plain(model: Transformer, prompt: torch.Tensor, max_new: int, eos_ids=(), graphs: Graphs | None = None) -> Generation:
     """Greedy decoding, one target step per token."""
+    graphs = graphs or eager()
     dev = prompt.device
     T = prompt.shape[1]
     model.setup_caches(1, T + max_new + 1)
+    step = target_step(model)
     sync(dev)
     t0 = time.perf_counter()
     tok, _ = prefill(model, prompt)
     sync(dev)
     t_prefill = time.perf_counter() - t0
     out = [int(tok)]
-    pos = T
+    pos = torch.tensor([T], device=dev)
     while not finish(out, max_new, eos_ids)[1]:
-        h = model(tok[None], torch.tensor([pos], device=dev)).hidden
-        tok = model.logits(h[:, -1]).argmax(-1)
+        tok = graphs(("plain", 1), step, tok[None], pos)[0][:1]
         out.append(int(tok))
         pos += 1
     sync(dev)
     return Generation(finish(out, max_new, eos_ids)[0], time.perf_counter() - t0, t_prefill)
 
 
-@torch.no_grad()
-def draft_chain(drafter: Eagle3Drafter, last_hidden: torch.Tensor, pos: int, k: int) -> torch.Tensor:
-    """k greedy draft tokens after the pending token at slot `pos`. last_hidden: (1, 1, H), the
-    drafter's output for row pos-1. Step i runs at slot pos-1+i (RoPE position t+j in training)."""
-    dev = last_hidden.device
-    drafts = []
-    h = last_hidden
-    for i in range(k):
-        tok = drafter.to_target(drafter.logits(h[:, -1]).argmax(-1))  # (1,)
-        drafts.append(tok)
-        if i + 1 < k:
-            h = drafter(tok[None], h, torch.tensor([pos + i], device=dev))
-    return torch.cat(drafts)  # (k,)
+def draft_chain(drafter: Eagle3Drafter, k: int):
+    """k greedy draft tokens after the pending token at slot pos. h: (1, 1, H), the drafter's output
+    for row pos-1. Step i runs at slot pos-1+i (RoPE position t+j in training). All on the device."""
+    def chain(h, pos):
+        drafts = []
+        for i in range(k):
+            tok = drafter.to_target(drafter.logits(h[:, -1]).argmax(-1))  # (1,)
+            drafts.append(tok)
+            if i + 1 < k:
+                h = drafter(tok[None], h, pos + i)
+        return torch.cat(drafts)  # (k,)
+    return chain
 
 
-@torch.no_grad()
-def verify(model: Transformer, pending: torch.Tensor, drafts: torch.Tensor, pos: int, capture):
-    """Run the target over [pending, d1..dk] at slots pos..pos+k; greedy acceptance.
-    Returns (number of accepted drafts n, the bonus token, aux features of rows 0..n)."""
-    dev = drafts.device
-    seq = torch.cat([pending, drafts])[None]  # (1, k+1)
-    out = model(seq, torch.arange(pos, pos + seq.shape[1], device=dev), capture=capture)
-    best = model.logits(out.hidden[0]).argmax(-1)  # (k+1,) target's choice after each input token
-    match = (best[:-1] == drafts).int()
-    n = int(match.cumprod(0).sum())
-    return n, best[n : n + 1], out.aux[:, : n + 1]
+def drafter_rows(drafter: Eagle3Drafter):
+    """Drafter catch-up over verified rows: tokens (1, R), target aux (1, R, 3Ht) at slots pos.."""
+    def rows(tokens, aux, pos):
+        return drafter(tokens, drafter.fuse(aux), pos + torch.arange(tokens.shape[1], device=pos.device))
+    return rows
+
+
+def accept_greedy(best: torch.Tensor, drafts: torch.Tensor) -> int:
+    """Number of leading drafts equal to the target's greedy choices."""
+    return int((best[:-1] == drafts).int().cumprod(0).sum())
 
 
 @torch.no_grad()
 def decode_chain(model: Transformer, drafter: Eagle3Drafter, prompt: torch.Tensor, max_new: int, k: int,
-                 eos_ids=()) -> Generation:
-    """EAGLE-3 chain speculation at temperature 0: k drafts, verify k+1 positions."""
+                 eos_ids=(), graphs: Graphs | None = None) -> Generation:
+    """EAGLE-3 chain speculation at temperature 0: k drafts, verify k+1 positions. The catch-up
+    always runs k+1 rows (fixed shape, so it can be a graph); rows past the accepted ones write
+    slots that the next cycle overwrites before any query can see them."""
+    graphs = graphs or eager()
     dev = prompt.device
     T = prompt.shape[1]
     capture = drafter.cfg.aux_layer_ids
-    model.setup_caches(1, T + max_new + k + 2)
-    drafter.setup_caches(1, T + max_new + k + 2)
+    model.setup_caches(1, T + max_new + 2 * k + 2)
+    drafter.setup_caches(1, T + max_new + 2 * k + 2)
+    verify, chain, rows = target_step(model, capture), draft_chain(drafter, k), drafter_rows(drafter)
     sync(dev)
     t0 = time.perf_counter()
     pending, first = prefill(model, prompt, capture)
@@ -170,22 +182,24 @@ def decode_chain(model: Transformer, drafter: Eagle3Drafter, prompt: torch.Tenso
     h = drafter(row_tokens, drafter.fuse(first.aux), torch.arange(T, device=dev))
     sync(dev)
     gen = Generation([int(pending)], 0.0, time.perf_counter() - t0)
-    pos = T
+    pos = torch.tensor([T], device=dev)
+    h = h[:, -1:]
     while not finish(gen.tokens, max_new, eos_ids)[1]:
         t1 = time.perf_counter()
-        drafts = draft_chain(drafter, h[:, -1:], pos, k)
+        drafts = graphs(("chain", k), chain, h, pos).clone()
         sync(dev)
         t2 = time.perf_counter()
-        n, bonus, aux = verify(model, pending, drafts, pos, capture)
-        sync(dev)
+        best, aux = graphs(("verify", k + 1), verify, torch.cat([pending, drafts])[None], pos)
+        n = accept_greedy(best, drafts)
         gen.draft_seconds += t2 - t1
         gen.verify_seconds += time.perf_counter() - t2
-        accepted = torch.cat([drafts[:n], bonus])  # (n+1,)
+        accepted = torch.cat([drafts[:n], best[n : n + 1]])  # (n+1,)
         gen.tokens.extend(accepted.tolist())
         gen.accept_lengths.append(n + 1)
         # drafter catch-up on the verified rows pos..pos+n, overwriting its speculative slots
-        h = drafter(accepted[None], drafter.fuse(aux), torch.arange(pos, pos + n + 1, device=dev))
-        pending, pos = bonus, pos + n + 1
+        padded = torch.cat([accepted, drafts[n:]])[None]  # (1, k+1)
+        h = graphs(("rows", k + 1), rows, padded, aux, pos)[:, n : n + 1].clone()
+        pending, pos = accepted[-1:].clone(), pos + n + 1
     sync(dev)
     gen.tokens = finish(gen.tokens, max_new, eos_ids)[0]
     gen.seconds = time.perf_counter() - t0
@@ -208,14 +222,14 @@ class TreeSpec:
 
 @dataclass
 class DraftTree:
-    tokens: torch.Tensor  # (N,) target ids, parents before children
-    parents: torch.Tensor  # (N,) index of the parent node; -1 for children of the root
-    depth: torch.Tensor  # (N,) 1 for children of the root
+    tokens: torch.Tensor  # (N,) target ids on the device, parents before children
+    parents: torch.Tensor  # (N,) CPU: index of the parent node; -1 for children of the root
+    depth: torch.Tensor  # (N,) CPU: 1 for children of the root
 
     def ancestors(self) -> torch.Tensor:
-        """(N+1, N+1) bool, root at index 0: entry [i, j] when j is i or an ancestor of i."""
-        n = len(self.tokens)
-        anc = torch.eye(n + 1, dtype=torch.bool, device=self.tokens.device)
+        """(N+1, N+1) bool on the CPU, root at index 0: entry [i, j] when j is i or an ancestor of i."""
+        n = len(self.parents)
+        anc = torch.eye(n + 1, dtype=torch.bool)
         anc[:, 0] = True
         for i, p in enumerate(self.parents.tolist()):  # parents precede children, so their rows are complete
             if p >= 0:
@@ -223,77 +237,90 @@ class DraftTree:
         return anc
 
 
+def masked_step(net, capture=None):
+    """A target (capture given) or drafter pass at explicit slots under an explicit mask."""
+    if capture is None:
+        return lambda tokens, hidden, slots, mask, rope: net(tokens, hidden, slots, mask, rope)
+
+    def step(tokens, slots, mask, rope):
+        out = net(tokens, slots, mask, rope, capture=capture)
+        return net.logits(out.hidden[0]).argmax(-1), out.aux
+    return step
+
+
 @torch.no_grad()
-def draft_tree(drafter: Eagle3Drafter, last_hidden: torch.Tensor, pos: int, spec: TreeSpec) -> DraftTree:
+def draft_tree(drafter: Eagle3Drafter, last_hidden: torch.Tensor, pos: int, spec: TreeSpec,
+               graphs: Graphs | None = None) -> DraftTree:
     """Expand `topk` children of the best `topk` nodes per level for `spec.steps` levels, then keep the
     `num_draft_tokens` nodes of highest cumulative draft log-probability (an ancestor never scores
     below its descendants, so the kept set is a tree). Frontier nodes of level d use drafter slots
-    pos + (d-1)*topk + i and RoPE position pos-1+d."""
-    dev = last_hidden.device
-    K = spec.topk
-    logp = torch.log_softmax(drafter.logits(last_hidden[:, -1]), -1)[0]  # (Vd,)
-    score, ids = logp.topk(K)
-    tokens, parents, depth, scores = [drafter.to_target(ids)], [torch.full((K,), -1, device=dev)], [torch.ones(K, device=dev, dtype=torch.long)], [score]
-    frontier = torch.arange(K, device=dev)  # node indices
-    hidden = last_hidden.expand(1, K, -1)  # the state each frontier node was predicted from
-    slots_of = {}  # node index -> drafter slot
-    prefix = torch.arange(drafter.max_len, device=dev) < pos  # (S,)
+    pos + (d-2)*topk + i and RoPE position pos-2+d. Bookkeeping stays on the host; the device
+    sees one drafter pass per level."""
+    graphs = graphs or eager()
+    dev, K, S = last_hidden.device, spec.topk, drafter.max_len
+    step = masked_step(drafter)
+    score, ids = torch.log_softmax(drafter.logits(last_hidden[:, -1]), -1)[0].topk(K)
+    tok_chunks, score_chunks = [drafter.to_target(ids)], [score]
+    parents, depth = [-1] * K, [1] * K
+    frontier, hidden, slot_of = list(range(K)), last_hidden.expand(1, K, -1), {}
+    prefix = torch.arange(S) < pos
     for d in range(2, spec.steps + 1):
-        all_tokens, all_parents = torch.cat(tokens), torch.cat(parents)
-        slots = pos + (d - 2) * K + torch.arange(len(frontier), device=dev)
-        for f, sl in zip(frontier.tolist(), slots.tolist()):
-            slots_of[f] = sl
-        mask = prefix.expand(len(frontier), -1).clone()  # (F, S)
-        for i, f in enumerate(frontier.tolist()):
+        F_ = len(frontier)
+        slots = [pos + (d - 2) * K + i for i in range(F_)]
+        slot_of.update(zip(frontier, slots))
+        mask = prefix.expand(F_, S).clone()
+        for i, f in enumerate(frontier):
             node = f
-            while node >= 0:  # the node itself and its expanded ancestors
-                mask[i, slots_of[node]] = True
-                node = int(all_parents[node])
-        h = drafter(all_tokens[frontier][None], hidden, slots, mask[None, None], torch.full((1, len(frontier)), pos - 2 + d, device=dev))
-        child = torch.log_softmax(drafter.logits(h[0]), -1)  # (F, Vd)
-        cand = torch.cat(scores)[frontier][:, None] + child  # cumulative
-        top_s, top_i = cand.topk(K, dim=-1)  # (F, K) each
-        base = len(all_tokens)
-        tokens.append(drafter.to_target(top_i.flatten()))
-        parents.append(frontier.repeat_interleave(K))
-        depth.append(torch.full((len(frontier) * K,), d, device=dev, dtype=torch.long))
-        scores.append(top_s.flatten())
-        best = top_s.flatten().topk(min(K, top_s.numel())).indices
-        frontier = base + best
-        hidden = h[:, best // K]
-    all_tokens, all_parents, all_depth, all_scores = torch.cat(tokens), torch.cat(parents), torch.cat(depth), torch.cat(scores)
-    keep = all_scores.topk(min(spec.num_draft_tokens, len(all_scores))).indices
-    keep_set = set(keep.tolist())
-    keep = [i for i in keep.tolist() if all(a in keep_set for a in _path(all_parents, i))]  # guard against ties
-    keep.sort(key=lambda i: (int(all_depth[i]), i))
-    new_index = {old: new for new, old in enumerate(keep)}
-    keep_t = torch.tensor(keep, device=dev)
-    par = torch.tensor([new_index.get(int(all_parents[i]), -1) for i in keep], device=dev)
-    return DraftTree(all_tokens[keep_t], par, all_depth[keep_t])
+            while node >= 0:  # the node itself and its ancestors (all of them were frontier nodes)
+                mask[i, slot_of[node]] = True
+                node = parents[node]
+        all_tokens = torch.cat(tok_chunks)
+        fr = torch.tensor(frontier, device=dev)
+        h = graphs(("dtree", F_), step, all_tokens[fr][None], hidden, torch.tensor(slots, device=dev),
+                   mask[None, None].to(dev), torch.full((1, F_), pos - 2 + d, device=dev))
+        cand = torch.cat(score_chunks)[fr][:, None] + torch.log_softmax(drafter.logits(h[0]), -1)  # (F, Vd)
+        top_s, top_i = cand.topk(K, dim=-1)  # (F, K)
+        base = len(parents)
+        tok_chunks.append(drafter.to_target(top_i.flatten()))
+        score_chunks.append(top_s.flatten())
+        parents += [f for f in frontier for _ in range(K)]
+        depth += [d] * (F_ * K)
+        best = top_s.flatten().topk(K).indices
+        frontier, hidden = (base + best).tolist(), h[:, best // K]
+    keep = torch.cat(score_chunks).topk(min(spec.num_draft_tokens, len(parents))).indices.tolist()
+    kept = set(keep)
+    keep = [i for i in keep if all(a in kept for a in _ancestry(parents, i))]  # ties could break closure
+    keep.sort(key=lambda i: (depth[i], i))
+    index = {old: new for new, old in enumerate(keep)}
+    return DraftTree(torch.cat(tok_chunks)[torch.tensor(keep, device=dev)],
+                     torch.tensor([index.get(parents[i], -1) for i in keep]), torch.tensor([depth[i] for i in keep]))
 
 
-def _path(parents: torch.Tensor, i: int) -> list[int]:
-    out, p = [], int(parents[i])
+def _ancestry(parents: list[int], i: int) -> list[int]:
+    out, p = [], parents[i]
     while p >= 0:
         out.append(p)
-        p = int(parents[p])
+        p = parents[p]
     return out
 
 
 @torch.no_grad()
-def verify_tree(model: Transformer, pending: torch.Tensor, tree: DraftTree, pos: int, capture):
+def verify_tree(model: Transformer, pending: torch.Tensor, tree: DraftTree, pos: int, capture,
+                graphs: Graphs | None = None):
     """One target pass over [pending, tree nodes] at slots pos..pos+N under the tree mask; greedy walk
-    from the root; the accepted path is moved to slots pos+1..pos+n. Returns (n, bonus, aux rows)."""
+    from the root; the accepted path is moved to slots pos+1..pos+n.
+    Returns (n, bonus token, aux rows of root + path, path tokens)."""
+    graphs = graphs or eager()
     dev = pending.device
-    n_nodes = len(tree.tokens) + 1
+    n_nodes = len(tree.parents) + 1
     seq = torch.cat([pending, tree.tokens])[None]  # (1, N+1)
-    slots = torch.arange(pos, pos + n_nodes, device=dev)
-    mask = torch.zeros(n_nodes, model.max_len, dtype=torch.bool, device=dev)
+    mask = torch.zeros(n_nodes, model.max_len, dtype=torch.bool)
     mask[:, :pos] = True
     mask[:, pos : pos + n_nodes] = tree.ancestors()
-    rope = (pos + torch.cat([torch.zeros(1, device=dev, dtype=torch.long), tree.depth]))[None]
-    out = model(seq, slots, mask[None, None], rope, capture=capture)
-    best = model.logits(out.hidden[0]).argmax(-1).tolist()  # (N+1,)
+    rope = pos + torch.cat([torch.zeros(1, dtype=torch.long), tree.depth])[None]
+    best, aux = graphs(("tree", n_nodes), masked_step(model, capture), seq, torch.arange(pos, pos + n_nodes, device=dev),
+                       mask[None, None].to(dev), rope.to(dev))
+    best = best.tolist()
     children: dict[int, dict[int, int]] = {}
     for i, (p, t) in enumerate(zip(tree.parents.tolist(), tree.tokens.tolist())):
         children.setdefault(p + 1, {}).setdefault(t, i + 1)
@@ -304,13 +331,14 @@ def verify_tree(model: Transformer, pending: torch.Tensor, tree: DraftTree, pos:
     if path:
         model.commit(pos + torch.tensor(path, device=dev), torch.arange(pos + 1, pos + 1 + len(path), device=dev))
     rows = torch.tensor([0] + path, device=dev)
-    return len(path), torch.tensor([best[cur]], device=dev), out.aux[:, rows], seq[0, rows[1:]]
+    return len(path), torch.tensor([best[cur]], device=dev), aux[:, rows], seq[0, rows[1:]]
 
 
 @torch.no_grad()
 def decode_tree(model: Transformer, drafter: Eagle3Drafter, prompt: torch.Tensor, max_new: int, spec: TreeSpec,
-                eos_ids=()) -> Generation:
+                eos_ids=(), graphs: Graphs | None = None) -> Generation:
     """EAGLE-2 style tree speculation at temperature 0."""
+    graphs = graphs or eager()
     dev = prompt.device
     T = prompt.shape[1]
     capture = drafter.cfg.aux_layer_ids
@@ -325,11 +353,10 @@ def decode_tree(model: Transformer, drafter: Eagle3Drafter, prompt: torch.Tensor
     pos = T
     while not finish(gen.tokens, max_new, eos_ids)[1]:
         t1 = time.perf_counter()
-        tree = draft_tree(drafter, h[:, -1:], pos, spec)
+        tree = draft_tree(drafter, h[:, -1:], pos, spec, graphs)
         sync(dev)
         t2 = time.perf_counter()
-        n, bonus, aux, path_tokens = verify_tree(model, pending, tree, pos, capture)
-        sync(dev)
+        n, bonus, aux, path_tokens = verify_tree(model, pending, tree, pos, capture, graphs)
         gen.draft_seconds += t2 - t1
         gen.verify_seconds += time.perf_counter() - t2
         accepted = torch.cat([path_tokens, bonus])

@@ -148,7 +148,11 @@ class Eagle3Drafter(nn.Module):
     # ------------------------------------------------------------------ inference
 
     def setup_caches(self, batch: int, max_len: int):
+        """Like Transformer.setup_caches: a large enough cache is kept (graphs stay valid)."""
         p = self.fc.weight
+        cache = self.midlayer.self_attn.kv_cache
+        if cache is not None and cache.k.shape[0] == batch and self.max_len >= max_len and cache.k.dtype == p.dtype:
+            return
         self.midlayer.self_attn.kv_cache = KVCache(batch, self.cfg.num_kv_heads, max_len, self.cfg.head_dim, p.dtype, p.device)
         self.max_len = max_len
 

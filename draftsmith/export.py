@@ -42,6 +42,7 @@ class ExportConfig:
     checkpoint: str  # a draftsmith training output folder (drafter.safetensors + draft_config.json)
     out: str  # output folder
     format: str = "sglang"
+    dtype: str = "bfloat16"  # the weights' dtype in the export (what SGLang serves)
 
     def __post_init__(self):
         if self.format not in FORMATS:
@@ -229,7 +230,9 @@ FORMATS = {"sglang": (export_sglang, SGLANG_COMMAND)}  # format -> (writer, serv
 def run(config: ExportConfig) -> ExportResult:
     drafter, target = load_trained(config.checkpoint)
     writer, command = FORMATS[config.format]
-    out = writer(drafter.eval(), Path(config.out), target.get("hf_config"))
+    from draftsmith.common import dtype_of
+
+    out = writer(drafter.to(dtype_of(config.dtype)).eval(), Path(config.out), target.get("hf_config"))
     (out / "draftsmith_export.json").write_text(json.dumps(asdict(config), indent=2) + "\n")
     shapes = sglang_shapes(drafter.cfg)
     return ExportResult(out=out, tensors=shapes, command=command.format(target=target.get("path") or "<TARGET>", out=out),

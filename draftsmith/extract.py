@@ -187,6 +187,7 @@ class HiddenStates:
         if not self.manifest["shards"]:
             raise FileNotFoundError(f"{folder} has no extracted shards ({MANIFEST} missing or empty); run extract first")
         self.index = [(s, k) for s, shard in enumerate(self.manifest["shards"]) for k in range(len(shard["ids"]))]
+        self.ids = [i for shard in self.manifest["shards"] for i in shard["ids"]]
         self._shards: dict[int, dict] = {}
 
     def __len__(self):

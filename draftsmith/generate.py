@@ -44,6 +44,8 @@ class GenerateConfig:
     model_name: str = "default"  # the model name the server expects
     device: str = "cpu"
     dtype: str = "float32"
+    max_seconds: float | None = None  # stop after the batch that crosses this budget (rerun to continue)
+    max_batch_tokens: int = 1 << 18  # cap on batch * (prompt + max_new): long prompts get smaller batches
 
     def __post_init__(self):
         if not self.prompts:
@@ -136,8 +138,13 @@ def run(config: GenerateConfig) -> GenerateResult:
             encoded = sorted((e for e in encoded if len(e[1]) <= config.max_prompt_tokens), key=lambda e: len(e[1]))
             bar.total = len(encoded)
             gen = torch.Generator(config.device).manual_seed(config.seed)
-            for i in range(0, len(encoded), config.batch_size):
-                batch = encoded[i : i + config.batch_size]
+            i = 0
+            while i < len(encoded):
+                n = 1  # sorted by length, so the last prompt of a batch is its longest
+                while (n < config.batch_size and i + n < len(encoded)
+                       and (n + 1) * (len(encoded[i + n][1]) + config.max_new_tokens) <= config.max_batch_tokens):
+                    n += 1
+                batch, i = encoded[i : i + n], i + n
                 answers = generate_batch(target.model, [ids for _, ids in batch], config.max_new_tokens, target.eos_ids,
                                          config.temperature, config.top_p, gen)
                 for (p, ids), ans in zip(batch, answers):
@@ -148,5 +155,7 @@ def run(config: GenerateConfig) -> GenerateResult:
                 f.flush()  # a batch is either fully on disk or redone on resume
                 written += len(batch)
                 bar.update(len(batch), tokens=sum(len(a) for a in answers))
+                if config.max_seconds and time.perf_counter() - t0 > config.max_seconds:
+                    break
     bar.close()
     return GenerateResult(str(path), written, len(done) + written, skipped, tokens, time.perf_counter() - t0)

@@ -143,6 +143,14 @@ class Rotary(nn.Module):
     def forward(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos[pos].to(dtype), self.sin[pos].to(dtype)  # (B, T, D) each
 
+    def _apply(self, fn, recurse=True):
+        # follow the module's device but keep the fp32 tables: a bf16 model still rotates with fp32 angles
+        device = fn(torch.zeros(1)).device
+        for name in ("cos", "sin"):
+            t = getattr(self, name)
+            setattr(self, name, torch.empty(t.shape, device=device) if t.is_meta else t.to(device))
+        return self
+
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x: (B, heads, T, D); cos/sin: (B, T, D)
@@ -267,10 +275,14 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def setup_caches(self, batch: int, max_len: int):
-        """Allocate static KV caches of `max_len` slots (replacing any existing ones)."""
+        """Static KV caches of at least `max_len` slots. Caches that are already large enough are
+        kept, so CUDA graphs captured over them stay valid from one prompt to the next."""
         if max_len > self.args.max_position_embeddings:
             raise ValueError(f"max_len {max_len} exceeds the target's max_position_embeddings {self.args.max_position_embeddings}")
         p = self.embed_tokens.weight
+        cache = self.layers[0].self_attn.kv_cache
+        if cache is not None and cache.k.shape[0] == batch and self.max_len >= max_len and cache.k.dtype == p.dtype:
+            return
         for layer in self.layers:
             layer.self_attn.kv_cache = KVCache(batch, self.args.num_kv_heads, max_len, self.args.head_dim, p.dtype, p.device)
         self.max_len = max_len
@@ -422,8 +434,6 @@ def load_target(spec: str, device="cpu", dtype=torch.float32) -> Target:
         model.lm_head.weight = model.embed_tokens.weight
     model.rotary = Rotary(args.head_dim, args.max_position_embeddings, args.rope_theta, args.rope_scaling)
     model = model.to(device=device, dtype=dtype).eval()
-    model.rotary.to(device)  # keep the tables in fp32; they are cast per call
-    model.rotary.cos, model.rotary.sin = model.rotary.cos.float(), model.rotary.sin.float()
     for p in model.parameters():
         p.requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(folder)

@@ -1,6 +1,8 @@
 """Stage 3, train: an EAGLE-3 drafter with training-time test (TTT) on extracted hidden states.
 
-Per step, samples are packed into one row of `batch_tokens` (no padding), the drafter is
+Offline, the hidden states come from extract's shards; online (`--online`, `--data` is
+generate's answers.jsonl) the frozen target runs in the loop on each packed batch, so nothing
+touches the disk. Per step, samples are packed into one row of `batch_tokens` (no padding), the drafter is
 unrolled `ttt_depth` steps (draft.py), and each step's output is scored against the target's
 own distribution over the draft vocab, recomputed from the stored final hidden state with the
 frozen target head (REFERENCE.md §2):
@@ -19,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,10 +29,11 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from draftsmith.common import Progress, write_config
+from draftsmith.common import Progress, dtype_of, write_config
+from draftsmith.data import encode_conversation
 from draftsmith.draft import DraftConfig, Eagle3Drafter
 from draftsmith.export import save_trained
-from draftsmith.extract import HiddenStates
+from draftsmith.extract import HiddenStates, read_conversations
 from draftsmith.target import load_target
 from draftsmith.vocab import build_vocab, count_tokens
 
@@ -39,8 +43,11 @@ STEP_DECAY = 0.8
 @dataclass(frozen=True)
 class TrainConfig:
     target: str
-    data: str  # extract's output folder
+    data: str  # extract's output folder; with online, generate's answers.jsonl
     out: str
+    online: bool = False  # run the target in the loop instead of reading extracted shards
+    aux_layers: tuple[int, ...] | None = None  # online only; offline they come from the shards
+    max_length: int = 2048  # online only: conversations are truncated to this many tokens
     draft_vocab_size: int = 32000  # capped at the target vocab
     ttt_depth: int = 7
     epochs: int = 1
@@ -54,7 +61,9 @@ class TrainConfig:
     init_head_from_target: bool = True
     seed: int = 0
     max_steps: int | None = None  # stop early (the schedule still spans all epochs)
+    schedule_steps: int | None = None  # train exactly this many steps (epochs repeat as needed), schedule included
     device: str = "cpu"
+    target_dtype: str = "float32"  # online: the target's compute dtype
 
     def __post_init__(self):
         if self.ttt_depth < 1 or self.epochs < 1 or self.batch_tokens < 16:
@@ -70,15 +79,19 @@ class TrainResult:
     seconds: float
     eval: dict  # held-out loss_j, acc_j, accept length
     vocab_coverage: float
+    loop_seconds: float = 0.0  # time in optimizer steps (no loading, no evaluation)
 
 
 # --------------------------------------------------------------------------- data
 
 
-def split(n: int, eval_fraction: float, seed: int) -> tuple[list[int], list[int]]:
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
-    k = int(n * eval_fraction) if n > 1 else 0
-    return sorted(order[k:]), sorted(order[:k])
+def split(ids: list[str], eval_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """Train / held-out indices, decided on the sample ids (not storage order), so offline shards
+    and online conversations split and shuffle identically."""
+    canon = sorted(range(len(ids)), key=lambda i: ids[i])
+    order = torch.randperm(len(ids), generator=torch.Generator().manual_seed(seed)).tolist()
+    k = int(len(ids) * eval_fraction) if len(ids) > 1 else 0
+    return [canon[i] for i in sorted(order[k:])], [canon[i] for i in sorted(order[:k])]
 
 
 def pack(samples: list[dict], device) -> dict:
@@ -102,6 +115,38 @@ def batches(data: HiddenStates, indices: list[int], batch_tokens: int, start: in
             group.append({k: v[:length] for k, v in s.items()})
             n, i = n + length, i + 1
         yield i, group
+
+
+class Conversations:
+    """Online data: chat-templated token ids and loss masks; features come from the target per batch."""
+
+    def __init__(self, path: str, tokenizer, max_length: int):
+        self.samples, self.ids = [], []
+        for sid, conv in read_conversations(path):
+            enc = encode_conversation(tokenizer, conv)
+            if sum(enc.loss_mask[:max_length]):
+                self.ids.append(sid)
+                self.samples.append({"input_ids": torch.tensor(enc.input_ids[:max_length], dtype=torch.int32),
+                                     "loss_mask": torch.tensor(enc.loss_mask[:max_length], dtype=torch.uint8)})
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.samples[i]
+
+
+@torch.no_grad()
+def target_features(model, batch: dict, aux_layers) -> dict:
+    """The target over a packed row, each sample attending only to itself: aux, final, argmax."""
+    ids, seg, pos = batch["input_ids"].long(), batch["segment_ids"], batch["position_ids"]
+    T = ids.shape[1]
+    model.setup_caches(1, T)
+    mask = torch.zeros(T, model.max_len, dtype=torch.bool, device=ids.device)  # the cache may be longer than T
+    mask[:, :T] = (seg[0][:, None] == seg[0][None, :]) & torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()
+    out = model(ids, torch.arange(T, device=ids.device), mask[None, None], pos, capture=aux_layers)
+    argmax = torch.cat([model.logits(h).argmax(-1) for h in out.hidden.split(1024, dim=1)], dim=1)
+    return {"aux": out.aux, "final": out.hidden, "argmax": argmax}
 
 
 # --------------------------------------------------------------------------- objective
@@ -160,13 +205,21 @@ def summarize(stats: list[list[tuple]]) -> dict:
 
 
 @torch.no_grad()
-def evaluate(drafter, head, data, indices, cfg: TrainConfig) -> dict:
+def evaluate(drafter, head, data, indices, cfg: TrainConfig, featurize) -> dict:
     if not indices:
         return {}
     drafter.eval()
-    stats = [ttt_loss(drafter, head, pack(g, cfg.device), cfg.ttt_depth)[1] for _, g in batches(data, indices, cfg.batch_tokens)]
+    stats = []
+    for _, g in batches(data, indices, cfg.batch_tokens):
+        with autocast(cfg.device):
+            stats.append(ttt_loss(drafter, head, featurize(pack(g, cfg.device)), cfg.ttt_depth)[1])
     drafter.train()
     return summarize(stats)
+
+
+def autocast(device: str):
+    """bf16 matmuls with fp32 master weights on CUDA; plain fp32 on the CPU."""
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else nullcontext()
 
 
 # --------------------------------------------------------------------------- state
@@ -210,9 +263,8 @@ def load_checkpoint(folder: Path, drafter, opt, sched) -> dict:
 # --------------------------------------------------------------------------- entry point
 
 
-def build_drafter(cfg: TrainConfig, target, data: HiddenStates, train_idx: list[int]):
+def build_drafter(cfg: TrainConfig, target, data, train_idx: list[int], aux: tuple[int, ...]):
     args = target.model.args
-    aux = tuple(data.manifest["aux_layer_ids"])
     vocab = build_vocab(count_tokens((data[i] for i in train_idx), args.vocab_size), min(cfg.draft_vocab_size, args.vocab_size))
     torch.manual_seed(cfg.seed)
     drafter = Eagle3Drafter(DraftConfig.from_target(args, len(vocab.d2t), aux))
@@ -228,20 +280,30 @@ def run(config: TrainConfig) -> TrainResult:
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     write_config(out, "train", config)
-    target = load_target(config.target, config.device)
-    data = HiddenStates(config.data)
-    if data.manifest.get("hidden_size") != target.model.args.hidden_size:
-        raise ValueError(f"{config.data} was extracted from a target of hidden size {data.manifest.get('hidden_size')}, "
-                         f"not {config.target} ({target.model.args.hidden_size})")
-    train_idx, eval_idx = split(len(data), config.eval_fraction, config.seed)
-    drafter, coverage = build_drafter(config, target, data, train_idx)
-    head = target.model.lm_head.weight[drafter.to_target(torch.arange(drafter.cfg.draft_vocab_size))].detach()
-    head = head.to(config.device)
-    del target
+    target = load_target(config.target, config.device, dtype_of(config.target_dtype))
+    if config.online:
+        data = Conversations(config.data, target.tokenizer, config.max_length)
+        aux = tuple(config.aux_layers or target.model.args.default_aux_layers())
+
+        def featurize(batch):
+            return {**batch, **target_features(target.model, batch, aux)}
+    else:
+        data = HiddenStates(config.data)
+        if data.manifest.get("hidden_size") != target.model.args.hidden_size:
+            raise ValueError(f"{config.data} was extracted from a target of hidden size {data.manifest.get('hidden_size')}, "
+                             f"not {config.target} ({target.model.args.hidden_size})")
+        aux = tuple(data.manifest["aux_layer_ids"])
+
+        def featurize(batch):
+            return batch
+    train_idx, eval_idx = split(data.ids, config.eval_fraction, config.seed)
+    drafter, coverage = build_drafter(config, target, data, train_idx, aux)
+    head = target.model.lm_head.weight[drafter.to_target(torch.arange(drafter.cfg.draft_vocab_size, device=config.device))].detach()
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95))
     steps_per_epoch = sum(1 for _ in batches(data, train_idx, config.batch_tokens))
-    total = steps_per_epoch * config.epochs
+    total = config.schedule_steps or steps_per_epoch * config.epochs
+    epochs = math.ceil(total / steps_per_epoch)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total, max(1, int(total * config.warmup_ratio))))
     ckpt = out / "checkpoint"
     state = {"step": 0, "epoch": 0, "cursor": 0}
@@ -252,11 +314,16 @@ def run(config: TrainConfig) -> TrainResult:
     bar = Progress(total, "train", unit="step")
     bar.update(state["step"])
     drafter.train()
-    stop = False
-    while state["epoch"] < config.epochs and not stop:
+    limit = min(config.max_steps or total, total)
+    loop_seconds = 0.0
+    while state["epoch"] < epochs and state["step"] < limit:
         order = [train_idx[i] for i in torch.randperm(len(train_idx), generator=torch.Generator().manual_seed(config.seed + state["epoch"]))]
         for cursor, group in batches(data, order, config.batch_tokens, state["cursor"]):
-            loss, stats = ttt_loss(drafter, head, pack(group, config.device), config.ttt_depth)
+            if state["step"] >= limit:
+                break
+            t_step = time.perf_counter()
+            with autocast(config.device):
+                loss, stats = ttt_loss(drafter, head, featurize(pack(group, config.device)), config.ttt_depth)
             opt.zero_grad(set_to_none=True)
             if torch.is_tensor(loss):
                 loss.backward()
@@ -264,6 +331,7 @@ def run(config: TrainConfig) -> TrainResult:
                 opt.step()
             sched.step()
             state.update(step=state["step"] + 1, cursor=cursor)
+            loop_seconds += time.perf_counter() - t_step
             s = summarize([stats])
             log.write(json.dumps({"step": state["step"], "lr": sched.get_last_lr()[0], **s}) + "\n")
             bar.update(1, tokens=sum(len(g["input_ids"]) for g in group), loss=s["loss"][0], acc0=s["acc"][0],
@@ -271,11 +339,8 @@ def run(config: TrainConfig) -> TrainResult:
             if state["step"] % config.save_every == 0:
                 log.flush()
                 save_checkpoint(ckpt, drafter, opt, sched, state)
-            if config.max_steps and state["step"] >= config.max_steps:
-                stop = True
-                break
         else:
-            metrics = evaluate(drafter, head, data, eval_idx, config)
+            metrics = evaluate(drafter, head, data, eval_idx, config, featurize)
             state.update(epoch=state["epoch"] + 1, cursor=0)
             log.write(json.dumps({"epoch": state["epoch"], "eval": metrics}) + "\n")
             print(f"epoch {state['epoch']}: held-out acc {[round(a, 3) for a in metrics.get('acc', [])]} "
@@ -283,8 +348,7 @@ def run(config: TrainConfig) -> TrainResult:
     bar.close()
     log.close()
     save_checkpoint(ckpt, drafter, opt, sched, state)
-    final = evaluate(drafter, head, data, eval_idx, config)
-    save_trained(drafter.eval(), out / "drafter", {"path": data.manifest.get("target"), "spec": config.target,
-                                                   "hf_config": json.loads((Path(data.manifest["target"]) / "config.json").read_text())})
+    final = evaluate(drafter, head, data, eval_idx, config, featurize)
+    save_trained(drafter.eval(), out / "drafter", {"path": target.path, "spec": config.target, "hf_config": target.hf_config})
     (out / "eval.json").write_text(json.dumps(final, indent=2))
-    return TrainResult(str(out), state["step"], time.perf_counter() - t0, final, coverage)
+    return TrainResult(str(out), state["step"], time.perf_counter() - t0, final, coverage, loop_seconds)

@@ -171,7 +171,7 @@ def test_run_exports_a_trained_checkpoint(drafter, tmp_path):
     restored, got_info = load_trained(tmp_path / "final")
     assert got_info == info and torch.equal(restored.embed_tokens.weight, drafter.embed_tokens.weight)
 
-    result = run(ExportConfig(checkpoint=str(tmp_path / "final"), out=str(tmp_path / "sglang")))
+    result = run(ExportConfig(checkpoint=str(tmp_path / "final"), out=str(tmp_path / "sglang"), dtype="float32"))
     assert result.tensors == SGLANG_NAMES
     assert "--speculative-algorithm EAGLE3 " in result.command  # "EAGLE" serves an EAGLE-3 head at tau 1.00
     assert result.command.startswith("python -m sglang.launch_server --model-path /models/tiny ")

@@ -4,7 +4,7 @@ import torch
 from safetensors.torch import load_file
 
 from draftsmith.extract import HiddenStates
-from draftsmith.train import TrainConfig, accept_length, build_drafter, pack, run, ttt_loss
+from draftsmith.train import TrainConfig, accept_length, build_drafter, pack, run, target_features, ttt_loss
 from draftsmith.target import load_target
 
 
@@ -12,7 +12,7 @@ def test_ttt_loss_falls_when_overfitting_one_batch(tiny_target_dir, tiny_hidden)
     target = load_target(str(tiny_target_dir))
     data = HiddenStates(tiny_hidden)
     cfg = TrainConfig(target=str(tiny_target_dir), data=str(tiny_hidden), out="unused", draft_vocab_size=128, ttt_depth=3)
-    drafter, _ = build_drafter(cfg, target, data, list(range(len(data))))
+    drafter, _ = build_drafter(cfg, target, data, list(range(len(data))), (0, 1, 2))
     head = target.model.lm_head.weight[drafter.to_target(torch.arange(128))]
     batch = pack([data[0], data[1]], "cpu")
     opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=3e-3)
@@ -48,3 +48,26 @@ def test_simulated_accept_length():
     assert accept_length([1.0, 1.0, 1.0]) == 4.0
     assert accept_length([0.5, 0.5]) == 1.0 + 0.5 + 0.25
     assert accept_length([0.0, 1.0]) == 1.0
+
+
+def test_online_features_equal_extracted_ones(tiny_target_dir, tiny_hidden):
+    """The target in the loop on a packed row gives the features extract stored per sample."""
+    target = load_target(str(tiny_target_dir))
+    data = HiddenStates(tiny_hidden)
+    samples = [data[3], data[4], data[5]]
+    packed = pack([{k: s[k] for k in ("input_ids", "loss_mask")} for s in samples], "cpu")
+    online = target_features(target.model, packed, (0, 1, 2))
+    offline = pack(samples, "cpu")
+    assert (online["aux"] - offline["aux"].float()).abs().max() < 0.05  # offline is stored in bf16
+    assert (online["final"] - offline["final"].float()).abs().max() < 0.05
+    assert (online["argmax"] == offline["argmax"].long()).float().mean() > 0.99
+
+
+def test_online_and_offline_training_agree(tiny_target_dir, tiny_answers, tiny_hidden, tmp_path):
+    common = dict(target=str(tiny_target_dir), draft_vocab_size=128, ttt_depth=2, epochs=1, batch_tokens=256,
+                  lr=1e-3, eval_fraction=0.25)
+    off = run(TrainConfig(data=str(tiny_hidden), out=str(tmp_path / "off"), **common))
+    on = run(TrainConfig(data=str(tiny_answers), out=str(tmp_path / "on"), online=True, **common))
+    assert on.steps == off.steps
+    for a, b in zip(on.eval["loss"], off.eval["loss"]):
+        assert abs(a - b) < 0.02 * max(abs(b), 1.0)

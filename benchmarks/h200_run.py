@@ -1,0 +1,270 @@
+"""One H200 session for issues #3 and #4: the full pipeline on SmolLM2-135M-Instruct, then the
+decode benchmark (ours vs HF, chain and tree) for SmolLM2 and for a Llama-3.1-8B-shaped target.
+
+Phases (run back to back on one warm machine; /tmp carries state between them):
+  python benchmarks/h200_run.py train --gguf /tmp/SmolLM2.gguf --data .device-data --out $OUT
+  python benchmarks/h200_run.py bench --gguf /tmp/SmolLM2.gguf --data .device-data --out $OUT
+Each phase writes its JSON under --out as it goes; the last stdout line is a JSON summary.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from draftsmith import export, generate, train  # noqa: E402
+from draftsmith.cudagraph import Graphs  # noqa: E402
+from draftsmith.data import load_eval, prompt_ids  # noqa: E402
+from draftsmith.decode import TreeSpec, decode_chain, decode_plain, decode_tree, target_step  # noqa: E402
+from draftsmith.draft import DraftConfig, Eagle3Drafter  # noqa: E402
+from draftsmith.export import load_trained  # noqa: E402
+from draftsmith.target import ModelArgs, Transformer, load_target  # noqa: E402
+
+RUN = Path("/tmp/run")
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def dump(out: Path, name: str, obj: dict):
+    (out / name).write_text(json.dumps(obj, indent=2, default=str))
+
+
+def phase_train(a):
+    t0 = time.perf_counter()
+    data = Path(a.data)
+    prompts = tuple(sorted(str(p) for p in (data / "prompts").iterdir()))
+    evals = (str(data / "eval" / "mt_bench.jsonl"), str(data / "eval" / "spec_bench.jsonl"))
+    res = {"phase": "train", "command": " ".join(sys.argv), "commit": commit(), "device": device_name(a.device)}
+    g = generate.run(generate.GenerateConfig(
+        target=a.gguf, prompts=prompts, out=str(RUN / "gen"), exclude=evals, max_new_tokens=a.max_new, batch_size=a.gen_batch,
+        max_prompt_tokens=1024, device=a.device, dtype=a.dtype, max_seconds=a.gen_seconds))
+    res.update(prompts=g.total, tokens_generated=g.tokens, generate_s=round(g.seconds, 1), skipped_long=g.skipped_long)
+    dump(Path(a.out), "train.json", res)
+    print(json.dumps(res), flush=True)
+    cfg = dict(target=a.gguf, data=g.path, online=True, device=a.device, target_dtype=a.dtype, ttt_depth=a.depth,
+               draft_vocab_size=a.vocab, lr=a.lr, batch_tokens=a.batch_tokens, eval_fraction=0.02, save_every=10**9)
+    probe = train.run(train.TrainConfig(out=str(RUN / "probe"), max_steps=12, **cfg))
+    step_s = probe.loop_seconds / 12
+    steps = max(50, int(a.train_seconds / max(step_s, 1e-3)))
+    res.update(probe_step_s=round(step_s, 4), schedule_steps=steps)
+    t2 = time.perf_counter()
+    tr = train.run(train.TrainConfig(out=str(RUN / "train"), schedule_steps=steps, **cfg))
+    res.update(train_s=round(time.perf_counter() - t2, 1), train_steps=tr.steps, heldout=tr.eval, vocab_coverage=tr.vocab_coverage)
+    ex = export.run(export.ExportConfig(checkpoint=str(RUN / "train" / "drafter"), out=str(RUN / "sglang")))
+    blob = (RUN / "sglang" / "model.safetensors").read_bytes()
+    out = Path(a.out)
+    for i in range(0, len(blob), 15 << 20):  # result files come back at most 16 MiB each
+        (out / f"model.safetensors.part{i // (15 << 20)}").write_bytes(blob[i : i + (15 << 20)])
+    (out / "config.json").write_text((RUN / "sglang" / "config.json").read_text())
+    res.update(pipeline_train_wall_s=round(time.perf_counter() - t0, 1), export=str(ex.out))
+    dump(out, "train.json", res)
+    print(json.dumps(res), flush=True)
+
+
+def device_name(device: str) -> str:
+    return torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn, reps=3):
+    times = []
+    for _ in range(reps):
+        sync()
+        t = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def bench_smollm(a, res):
+    dt = getattr(torch, a.dtype)
+    target = load_target(a.gguf, a.device, dt)
+    model = target.model
+    drafter, _ = load_trained(RUN / "train" / "drafter")
+    drafter = drafter.to(a.device, dt).eval()  # Rotary keeps its fp32 tables
+    qs = load_eval(Path(a.data) / "eval" / "mt_bench.jsonl")[: a.num_prompts]
+    ids = [torch.tensor([prompt_ids(target.tokenizer, q.turns)], device=a.device) for q in qs]
+    model.setup_caches(1, min(4096, model.args.max_position_embeddings))
+    drafter.setup_caches(1, min(4096, model.args.max_position_embeddings))
+    graphs = Graphs(a.device.startswith("cuda"))
+    tree = TreeSpec(topk=a.topk, steps=a.tree_steps, num_draft_tokens=a.tree_tokens)
+    for x in ids[:2]:  # warm-up and graph capture
+        decode_plain(model, x, 32, target.eos_ids, graphs)
+        decode_chain(model, drafter, x, 32, 5, target.eos_ids, graphs)
+        decode_tree(model, drafter, x, 32, tree, target.eos_ids, graphs)
+    rows = {"plain": [], "chain5": [], "tree": []}
+    mismatch = {"chain5": 0, "tree": 0}
+    tokens_total = {"chain5": 0, "tree": 0}
+    for x in ids:
+        p = decode_plain(model, x, a.max_new_bench, target.eos_ids, graphs)
+        c = decode_chain(model, drafter, x, a.max_new_bench, 5, target.eos_ids, graphs)
+        t = decode_tree(model, drafter, x, a.max_new_bench, tree, target.eos_ids, graphs)
+        rows["plain"].append((len(p.tokens), p.seconds, []))
+        rows["chain5"].append((len(c.tokens), c.seconds, c.accept_lengths))
+        rows["tree"].append((len(t.tokens), t.seconds, t.accept_lengths))
+        for name, g in (("chain5", c), ("tree", t)):
+            same = sum(u == v for u, v in zip(p.tokens, g.tokens))
+            mismatch[name] += len(p.tokens) - same
+            tokens_total[name] += len(p.tokens)
+
+    def agg(name):
+        n = sum(r[0] for r in rows[name])
+        s = sum(r[1] for r in rows[name])
+        acc = [x for r in rows[name] for x in r[2]]
+        return n / s, (sum(acc) / len(acc) if acc else None), s
+
+    base_tps, _, base_s = agg("plain")
+    sm = {"prompts": len(ids), "max_new_tokens": a.max_new_bench, "baseline_tok_s": round(base_tps, 1)}
+    for name in ("chain5", "tree"):
+        tps, tau, s = agg(name)
+        sm[name] = {"tok_s": round(tps, 1), "tau_mean": round(tau, 3), "speedup": round(base_s / s, 3),
+                    "token_match": round(1 - mismatch[name] / max(tokens_total[name], 1), 5)}
+    sm["tree"]["settings"] = {"topk": tree.topk, "steps": tree.steps, "num_draft_tokens": tree.num_draft_tokens}
+    res["smollm2"] = sm
+    try:  # HF transformers generate, bf16, batch 1, on the same folder
+        from transformers import AutoModelForCausalLM
+        hf = AutoModelForCausalLM.from_pretrained(target.path, dtype=dt).to(a.device).eval()
+        x = ids[0]
+        hf.generate(x, max_new_tokens=8, do_sample=False)
+        s = timed(lambda: hf.generate(x, max_new_tokens=64, min_new_tokens=64, do_sample=False), reps=2)
+        sm["hf_tok_s"] = round(64 / s, 1)
+        del hf
+    except Exception as e:  # noqa: BLE001 - recorded, not fatal
+        sm["hf_error"] = repr(e)
+    for name in ("chain5", "tree"):
+        if sm[name]["token_match"] < 0.99:
+            raise SystemExit(f"bf16 {name} speculative output matches plain greedy on only {sm[name]['token_match']:.3f} of tokens")
+    del model, drafter, target
+    torch.cuda.empty_cache()
+
+
+def copy_bandwidth() -> float:
+    x = torch.empty(1 << 30, dtype=torch.float32, device="cuda").normal_()
+    y = torch.empty_like(x)
+    s = timed(lambda: y.copy_(x), reps=10)
+    return 2 * x.numel() * 4 / s  # bytes read + written per second
+
+
+def bench_8b(a, res):
+    args = ModelArgs(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+                     num_kv_heads=8, head_dim=128, rope_theta=500000.0, max_position_embeddings=2048)
+    with torch.device("meta"):
+        model = Transformer(args)
+    model = model.to_empty(device="cuda").to(torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+    model.rotary = type(model.rotary)(args.head_dim, args.max_position_embeddings, args.rope_theta, None).cuda()
+    model.eval()
+    bw = copy_bandwidth()
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) - model.embed_tokens.weight.numel() * 2
+    sec = {"copy_bandwidth_TBs": round(bw / 1e12, 3), "weight_bytes": weight_bytes, "floor_tok_s": round(bw / weight_bytes, 1)}
+    model.setup_caches(1, 1024)
+    graphs = Graphs(True)
+    x = torch.randint(0, 128256, (1, 128), device="cuda")
+    decode_plain(model, x, 16, (), graphs)
+    runs = [decode_plain(model, x, 256, (), graphs) for _ in range(3)]
+    sec["baseline_tok_s"] = round(statistics.median(255 / (r.seconds - r.prefill_seconds) for r in runs), 1)
+    step = target_step(model)
+    pos = torch.tensor([300], device="cuda")
+    for T in (1, 8):
+        tok = torch.randint(0, 1000, (1, T), device="cuda")
+        graphs(("plain", T), step, tok, pos)
+        sec[f"step_T{T}_ms"] = timed(lambda: [graphs(("plain", T), step, tok, pos) for _ in range(20)], reps=5) / 20 * 1e3
+    sec["verify8_over_step"] = round(sec["step_T8_ms"] / sec["step_T1_ms"], 3)
+    dcfg = DraftConfig.from_target(args, 32000)
+    drafter = Eagle3Drafter(dcfg).cuda().to(torch.bfloat16).eval()
+    drafter.setup_caches(1, 1024)
+    h = torch.randn(1, 1, 4096, device="cuda", dtype=torch.bfloat16)
+
+    def dstep(h, pos):
+        tok = drafter.to_target(drafter.logits(h[:, -1]).argmax(-1))
+        return drafter(tok[None], h, pos)
+
+    graphs(("dstep", 1), dstep, h, pos)
+    d_ms = timed(lambda: [graphs(("dstep", 1), dstep, h, pos) for _ in range(50)], reps=5) / 50 * 1e3
+    sec["draft_step_ms"] = round(d_ms, 4)
+    sec["draft_step_over_step"] = round(d_ms / sec["step_T1_ms"], 4)
+    res["llama8b_shape"] = sec
+    del model, drafter, graphs
+    torch.cuda.empty_cache()
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+        cfg = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                          num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=2048, rope_theta=500000.0)
+        with torch.device("meta"):
+            hf = LlamaForCausalLM(cfg)
+        hf = hf.to_empty(device="cuda").to(torch.bfloat16).eval()
+        with torch.no_grad():
+            for p in hf.parameters():
+                p.normal_(0, 0.02)
+        hf.model.rotary_emb = type(hf.model.rotary_emb)(config=cfg).cuda()
+        hf.generate(x, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        s = timed(lambda: hf.generate(x, max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0), reps=2)
+        sec["hf_tok_s"] = round(32 / s, 2)
+    except Exception as e:  # noqa: BLE001
+        sec["hf_error"] = repr(e)
+
+
+def phase_bench(a):
+    res = {"phase": "bench", "command": " ".join(sys.argv), "commit": commit(), "device": device_name(a.device)}
+    out = Path(a.out)
+    sections = (("smollm2", bench_smollm), ("llama8b_shape", bench_8b)) if a.device.startswith("cuda") else (("smollm2", bench_smollm),)
+    for name, fn in sections:
+        t = time.perf_counter()
+        try:
+            fn(a, res)
+        except Exception as e:  # noqa: BLE001 - one section failing must not lose the other
+            res[name + "_error"] = repr(e)
+        res[name + "_wall_s"] = round(time.perf_counter() - t, 1)
+        dump(out, "bench.json", res)
+        print(json.dumps(res), flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("phase", choices=["train", "bench"])
+    ap.add_argument("--gguf", required=True)
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--max-new", type=int, default=512)
+    ap.add_argument("--gen-batch", type=int, default=384)
+    ap.add_argument("--gen-seconds", type=float, default=220)
+    ap.add_argument("--train-seconds", type=float, default=170)
+    ap.add_argument("--depth", type=int, default=7)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--lr", type=float, default=5e-4)
+    ap.add_argument("--batch-tokens", type=int, default=4096)
+    ap.add_argument("--num-prompts", type=int, default=80)
+    ap.add_argument("--max-new-bench", type=int, default=256)
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--tree-steps", type=int, default=6)
+    ap.add_argument("--tree-tokens", type=int, default=48)
+    a = ap.parse_args()
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    RUN.mkdir(parents=True, exist_ok=True)
+    phase_train(a) if a.phase == "train" else phase_bench(a)
+
+
+if __name__ == "__main__":
+    main()
