@@ -145,7 +145,7 @@ class Rotary(nn.Module):
 
     def _apply(self, fn, recurse=True):
         # follow the module's device but keep the fp32 tables: a bf16 model still rotates with fp32 angles
-        device = fn(torch.zeros(1)).device
+        device = fn(self.cos[:1, :1]).device  # where fn sends a tensor that is where cos is now
         for name in ("cos", "sin"):
             t = getattr(self, name)
             setattr(self, name, torch.empty(t.shape, device=device) if t.is_meta else t.to(device))
