@@ -24,7 +24,8 @@ import torch
 
 from draftsmith.common import Progress, dtype_of, write_config
 from draftsmith.data import load_eval, prompt_ids
-from draftsmith.decode import decode_chain, decode_plain
+from draftsmith.cudagraph import Graphs
+from draftsmith.decode import TreeSpec, decode_chain, decode_chain_sampled, decode_plain, decode_tree
 from draftsmith.target import load_target
 
 
@@ -36,7 +37,14 @@ class BenchConfig:
     out: str | None = None  # folder for bench.json; nothing written when None
     num_prompts: int = 80
     max_new_tokens: int = 256
-    draft_tokens: int = 5
+    mode: str = "chain"  # chain | tree
+    draft_tokens: int = 5  # chain: drafts per cycle
+    topk: int = 4  # tree: children per node and nodes expanded per level
+    steps: int = 5  # tree: depth
+    num_draft_tokens: int = 16  # tree: nodes verified per cycle
+    temperature: float = 0.0  # > 0: lossless speculative sampling (chain), compared by speed only
+    top_p: float = 1.0
+    seed: int = 0
     warmup: int = 1
     device: str = "cpu"
     dtype: str = "float32"
@@ -44,6 +52,10 @@ class BenchConfig:
     def __post_init__(self):
         if self.draft_tokens < 1 or self.num_prompts < 1 or self.max_new_tokens < 1:
             raise ValueError("draft_tokens, num_prompts and max_new_tokens must be >= 1")
+        if self.mode not in ("chain", "tree"):
+            raise ValueError(f"mode must be chain or tree, not {self.mode!r}")
+        if self.temperature > 0 and self.mode == "tree":
+            raise ValueError("lossless tree sampling is not implemented yet; use --mode chain with --temperature")
 
 
 @dataclass
@@ -101,28 +113,44 @@ def run(config: BenchConfig) -> BenchResult:
     prompts = load_eval(config.prompts)[: config.warmup + config.num_prompts]
     dev = torch.device(config.device)
     ids = [torch.tensor([prompt_ids(target.tokenizer, p.turns)], device=dev) for p in prompts]
+    graphs = Graphs(dev.type == "cuda")
+    gen = torch.Generator(config.device).manual_seed(config.seed)
+    tree = TreeSpec(config.topk, config.steps, config.num_draft_tokens)
+    k = config.draft_tokens if config.mode == "chain" else config.num_draft_tokens
+
+    def plain(x, n):
+        return decode_plain(model, x, n, target.eos_ids, graphs, config.temperature, config.top_p, gen)
+
+    def spec(x, n):
+        if config.temperature > 0:
+            return decode_chain_sampled(model, drafter, x, n, k, config.temperature, config.top_p, target.eos_ids, gen)
+        if config.mode == "tree":
+            return decode_tree(model, drafter, x, n, tree, target.eos_ids, graphs)
+        return decode_chain(model, drafter, x, n, k, target.eos_ids, graphs)
+
     for x in ids[: config.warmup]:
-        decode_plain(model, x, 16, target.eos_ids)
-        decode_chain(model, drafter, x, 16, config.draft_tokens, target.eos_ids)
+        plain(x, 16)
+        spec(x, 16)
     per, lengths = [], []
-    t_plain = t_spec = n_tok = d_s = v_s = 0.0
+    t_plain = t_spec = n_tok = n_spec = d_s = v_s = 0.0
     bar = Progress(len(ids) - config.warmup, "bench", unit="prompt")
     for p, x in zip(prompts[config.warmup:], ids[config.warmup:]):
-        plain = decode_plain(model, x, config.max_new_tokens, target.eos_ids)
-        spec = decode_chain(model, drafter, x, config.max_new_tokens, config.draft_tokens, target.eos_ids)
-        same = plain.tokens == spec.tokens
-        per.append({"id": p.id, "tokens": len(plain.tokens), "plain_s": plain.seconds, "spec_s": spec.seconds,
-                    "tau": sum(spec.accept_lengths) / max(len(spec.accept_lengths), 1), "identical": same})
-        lengths += spec.accept_lengths
-        t_plain, t_spec, n_tok = t_plain + plain.seconds, t_spec + spec.seconds, n_tok + len(plain.tokens)
-        d_s, v_s = d_s + spec.draft_seconds, v_s + spec.verify_seconds
-        bar.update(1, tau=per[-1]["tau"], speedup=plain.seconds / spec.seconds)
+        base = plain(x, config.max_new_tokens)
+        fast = spec(x, config.max_new_tokens)
+        same = base.tokens == fast.tokens or config.temperature > 0  # sampled runs differ by design
+        per.append({"id": p.id, "plain_tokens": len(base.tokens), "spec_tokens": len(fast.tokens), "plain_s": base.seconds,
+                    "spec_s": fast.seconds, "tau": sum(fast.accept_lengths) / max(len(fast.accept_lengths), 1), "identical": same})
+        lengths += fast.accept_lengths
+        t_plain, t_spec = t_plain + base.seconds, t_spec + fast.seconds
+        n_tok, n_spec = n_tok + len(base.tokens), n_spec + len(fast.tokens)
+        d_s, v_s = d_s + fast.draft_seconds, v_s + fast.verify_seconds
+        bar.update(1, tau=per[-1]["tau"], speedup=(len(fast.tokens) / fast.seconds) / (len(base.tokens) / base.seconds))
     bar.close()
     tau = sum(lengths) / max(len(lengths), 1)
     result = BenchResult(
-        prompts=len(per), draft_tokens=config.draft_tokens, tau_mean=tau,
-        tau_hist={str(k): v for k, v in sorted(Counter(lengths).items())}, accept_rate=(tau - 1) / config.draft_tokens,
-        baseline_tok_s=n_tok / t_plain, spec_tok_s=n_tok / t_spec, speedup=t_plain / t_spec,
+        prompts=len(per), draft_tokens=k, tau_mean=tau,
+        tau_hist={str(a): v for a, v in sorted(Counter(lengths).items())}, accept_rate=(tau - 1) / k,
+        baseline_tok_s=n_tok / t_plain, spec_tok_s=n_spec / t_spec, speedup=(n_spec / t_spec) / (n_tok / t_plain),
         lossless=all(r["identical"] for r in per), mismatched_prompts=[r["id"] for r in per if not r["identical"]],
         new_tokens=int(n_tok), draft_s=d_s, verify_s=v_s, device=device_name(config.device), per_prompt=per,
     )

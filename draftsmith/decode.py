@@ -53,13 +53,7 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0, g
     """(B, V) logits -> (B,) tokens: argmax at temperature 0, else nucleus sampling."""
     if temperature <= 0:
         return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        drop = sorted_p.cumsum(-1) - sorted_p > top_p  # keep the smallest prefix reaching top_p
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return torch.multinomial(probs(logits, temperature, top_p), 1, generator=generator).squeeze(-1)
 
 
 @torch.no_grad()
@@ -113,22 +107,27 @@ def target_step(model: Transformer, capture=()):
 
 
 @torch.no_grad()
-def decode_plain(model: Transformer, prompt: torch.Tensor, max_new: int, eos_ids=(), graphs: Graphs | None = None) -> Generation:
-    """Greedy decoding, one target step per token."""
-    graphs = graphs or eager()
+def decode_plain(model: Transformer, prompt: torch.Tensor, max_new: int, eos_ids=(), graphs: Graphs | None = None,
+                 temperature: float = 0.0, top_p: float = 1.0, generator=None) -> Generation:
+    """One target step per token: greedy (graph-captured on CUDA), or sampled (eager) when temperature > 0."""
+    graphs = graphs if graphs is not None and temperature <= 0 else eager()
     dev = prompt.device
     T = prompt.shape[1]
     model.setup_caches(1, T + max_new + 1)
-    step = target_step(model)
+
+    def step(tokens, pos):  # -> (1,) the token after `tokens`
+        h = model(tokens, pos + torch.arange(tokens.shape[1], device=pos.device)).hidden
+        return sample(model.logits(h[:, -1]), temperature, top_p, generator)
+
     sync(dev)
     t0 = time.perf_counter()
-    tok, _ = prefill(model, prompt)
+    tok = step(prompt, torch.zeros(1, dtype=torch.long, device=dev))  # prefill
     sync(dev)
     t_prefill = time.perf_counter() - t0
     out = [int(tok)]
     pos = torch.tensor([T], device=dev)
     while not finish(out, max_new, eos_ids)[1]:
-        tok = graphs(("plain", 1), step, tok[None], pos)[0][:1]
+        tok = graphs(("plain", 1), step, tok[None], pos)
         out.append(int(tok))
         pos += 1
     sync(dev)
@@ -200,6 +199,90 @@ def decode_chain(model: Transformer, drafter: Eagle3Drafter, prompt: torch.Tenso
         padded = torch.cat([accepted, drafts[n:]])[None]  # (1, k+1)
         h = graphs(("rows", k + 1), rows, padded, aux, pos)[:, n : n + 1].clone()
         pending, pos = accepted[-1:].clone(), pos + n + 1
+    sync(dev)
+    gen.tokens = finish(gen.tokens, max_new, eos_ids)[0]
+    gen.seconds = time.perf_counter() - t0
+    return gen
+
+
+# --------------------------------------------------------------------------- lossless sampling
+
+
+def probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
+    """The sampling distribution sample() draws from: softmax(logits / T), nucleus-truncated."""
+    p = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = p.sort(dim=-1, descending=True)
+        sorted_p = sorted_p.masked_fill(sorted_p.cumsum(-1) - sorted_p > top_p, 0.0)
+        p = torch.zeros_like(p).scatter(-1, order, sorted_p)
+        p = p / p.sum(-1, keepdim=True)
+    return p
+
+
+def speculative_accept(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, generator=None) -> tuple[int, torch.Tensor]:
+    """Leviathan et al.: accept draft i with probability min(1, p_i(x)/q_i(x)); at the first
+    rejection sample from norm(max(0, p_i - q_i)); if all k pass, sample the bonus from p_k.
+    p: (k+1, V) target distributions, q: (k, V) draft distributions (in target ids), drafts: (k,).
+    Returns (accepted count n, the token that follows them)."""
+    k = len(drafts)
+    px = p[torch.arange(k), drafts]  # (k,)
+    qx = q[torch.arange(k), drafts]
+    u = torch.rand(k, generator=generator, device=p.device)
+    ok = (u * qx <= px).int()  # u < p/q without dividing by a zero q
+    n = int(ok.cumprod(0).sum())
+    if n == k:
+        return n, torch.multinomial(p[k], 1, generator=generator)
+    residual = (p[n] - q[n]).clamp(min=0)
+    if residual.sum() <= 0:  # p == q exactly: any sample from p is right
+        residual = p[n]
+    return n, torch.multinomial(residual / residual.sum(), 1, generator=generator)
+
+
+@torch.no_grad()
+def decode_chain_sampled(model: Transformer, drafter: Eagle3Drafter, prompt: torch.Tensor, max_new: int, k: int,
+                         temperature: float, top_p: float = 1.0, eos_ids=(), generator=None) -> Generation:
+    """Chain speculation at temperature > 0 whose output is distributed exactly as the target's own
+    sampling (same temperature and top-p): drafts are sampled from the drafter's distribution and
+    accepted or corrected by speculative_accept."""
+    dev = prompt.device
+    T = prompt.shape[1]
+    V = model.args.vocab_size
+    capture = drafter.cfg.aux_layer_ids
+    model.setup_caches(1, T + max_new + 2 * k + 2)
+    drafter.setup_caches(1, T + max_new + 2 * k + 2)
+    draft_ids = drafter.to_target(torch.arange(drafter.cfg.draft_vocab_size, device=dev))
+    verify, rows = target_step(model, capture), drafter_rows(drafter)
+    sync(dev)
+    t0 = time.perf_counter()
+    out = model(prompt, torch.arange(T, device=dev), capture=capture)
+    pending = torch.multinomial(probs(model.logits(out.hidden[0, -1:]), temperature, top_p), 1, generator=generator)[0]
+    h = drafter(torch.cat([prompt[0, 1:], pending])[None], drafter.fuse(out.aux), torch.arange(T, device=dev))[:, -1:]
+    gen = Generation([int(pending)], 0.0, time.perf_counter() - t0)
+    pos = torch.tensor([T], device=dev)
+    while not finish(gen.tokens, max_new, eos_ids)[1]:
+        t1 = time.perf_counter()
+        q = torch.zeros(k, V, device=dev)
+        drafts = []
+        for i in range(k):
+            qd = probs(drafter.logits(h[:, -1]), temperature, top_p)[0]  # (Vd,)
+            q[i, draft_ids] = qd
+            tok = draft_ids[torch.multinomial(qd, 1, generator=generator)]
+            drafts.append(tok)
+            if i + 1 < k:
+                h = drafter(tok[None], h, pos + i)
+        drafts = torch.cat(drafts)
+        t2 = time.perf_counter()
+        seq = torch.cat([pending, drafts])[None]
+        out = model(seq, pos + torch.arange(k + 1, device=dev), capture=capture)
+        p = probs(model.logits(out.hidden[0]), temperature, top_p)  # (k+1, V)
+        n, nxt = speculative_accept(p, q, drafts, generator)
+        gen.draft_seconds += t2 - t1
+        gen.verify_seconds += time.perf_counter() - t2
+        accepted = torch.cat([drafts[:n], nxt])
+        gen.tokens.extend(accepted.tolist())
+        gen.accept_lengths.append(n + 1)
+        h = rows(torch.cat([accepted, drafts[n:]])[None], out.aux, pos)[:, n : n + 1]
+        pending, pos = nxt, pos + n + 1
     sync(dev)
     gen.tokens = finish(gen.tokens, max_new, eos_ids)[0]
     gen.seconds = time.perf_counter() - t0

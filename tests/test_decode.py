@@ -117,3 +117,58 @@ def test_tree_ancestor_matrix():
     tree = DraftTree(torch.tensor([5, 6, 7]), torch.tensor([-1, 0, -1]), torch.tensor([1, 2, 1]))
     anc = tree.ancestors().int().tolist()
     assert anc == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 1]]
+
+
+# --------------------------------------------------------------------------- sampling
+
+from draftsmith.decode import decode_chain_sampled, probs, speculative_accept  # noqa: E402
+
+
+def total_variation(a: torch.Tensor, b: torch.Tensor) -> float:
+    return 0.5 * float((a - b).abs().sum())
+
+
+def test_acceptance_rule_reproduces_the_target_distribution():
+    torch.manual_seed(0)
+    V, N = 6, 20000
+    p = torch.softmax(torch.randn(2, V) * 2, -1)
+    q = torch.softmax(torch.randn(1, V) * 2, -1)
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.zeros(V)
+    for _ in range(N):
+        d = torch.multinomial(q[0], 1, generator=gen)
+        n, nxt = speculative_accept(p, q, d, gen)
+        counts[d[0] if n == 1 else nxt[0]] += 1
+    assert total_variation(counts / N, p[0]) < 0.02
+    assert total_variation(q[0], p[0]) > 0.2  # the drafter really was wrong, so rejections happened
+
+
+def test_sampled_chain_matches_the_targets_own_distribution(monkeypatch):
+    """Second generated token (the first that goes through speculation): the empirical distribution of
+    speculative sampling vs the exact marginal sum_x1 p(x1) p(x2 | x1) of the target. The same test
+    on a sampler that accepts every draft fails, so the check has the power to see a wrong rule."""
+    import draftsmith.decode as decode
+
+    target = tiny_native()
+    target.lm_head.weight.mul_(6.0)  # peaked distributions: few categories, so 600 samples resolve them
+    drafter = tiny_drafter(target, draft_vocab=200, seed=3)
+    prompt = torch.randint(3, 320, (1, 5), generator=torch.Generator().manual_seed(1))
+    temp, top_p = 1.0, 0.95
+    T, V = prompt.shape[1], target.args.vocab_size
+    target.setup_caches(1, T + 8)
+    p1 = probs(target.logits(target(prompt, torch.arange(T)).hidden[0, -1:]), temp, top_p)[0]  # (V,)
+    seqs = torch.cat([prompt.expand(V, T), torch.arange(V)[:, None]], dim=1)  # every possible x1
+    target.setup_caches(V, T + 1)
+    p2 = probs(target.logits(target(seqs, torch.arange(T + 1)).hidden[:, -1]), temp, top_p)  # (V, V)
+    exact = p1 @ p2
+
+    def second_token_tv(n=600):
+        gen = torch.Generator().manual_seed(0)
+        counts = torch.zeros(V)
+        for _ in range(n):
+            counts[decode_chain_sampled(target, drafter, prompt, 2, 2, temp, top_p, generator=gen).tokens[1]] += 1
+        return total_variation(counts / n, exact)
+
+    assert second_token_tv() < 0.14  # sampling noise alone is ~0.09 at 600 samples here
+    monkeypatch.setattr(decode, "speculative_accept", lambda p, q, d, g=None: (len(d), torch.multinomial(p[-1], 1, generator=g)))
+    assert second_token_tv() > 0.3
