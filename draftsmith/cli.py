@@ -16,13 +16,15 @@ import sys
 import types
 import typing
 
-from draftsmith import bench, demo, export, extract, generate, train
+from draftsmith import bench, check, demo, export, extract, generate, interop, train
 
 STAGES = {
     "generate": (generate.GenerateConfig, generate.run, "the target answers the training prompts itself"),
     "extract": (extract.ExtractConfig, extract.run, "capture the target's aux + final hidden states to shards"),
     "train": (train.TrainConfig, train.run, "train the EAGLE-3 drafter with training-time test"),
     "export": (export.ExportConfig, export.run, "write a folder SGLang (and vLLM) can serve"),
+    "import": (interop.ImportConfig, interop.run, "read an EAGLE/SpecForge/speculators drafter into a trained folder"),
+    "check": (check.CheckConfig, check.run, "check a draft checkpoint against its target before serving"),
     "bench": (bench.BenchConfig, bench.run, "speculative vs plain decoding: accept length, tok/s, speedup"),
     "demo": (demo.DemoConfig, demo.run, "every stage at small scale on the embedded default target"),
 }

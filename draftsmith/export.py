@@ -1,10 +1,13 @@
-"""Export a trained drafter as the EAGLE-3 checkpoint that SGLang serves (REFERENCE.md §1).
+"""Export a trained drafter as the EAGLE-3 checkpoint SGLang or vLLM serves (REFERENCE.md §1).
 
-    python -c "from draftsmith.export import ExportConfig, run; print(run(ExportConfig('runs/x/final', 'runs/x/sglang')).command)"
+    draftsmith export --checkpoint runs/x/final --out runs/x/sglang            # SGLang (and vLLM)
+    draftsmith export --checkpoint runs/x/final --out runs/x/vllm --format vllm  # vLLM "speculators"
 
-The output folder holds config.json (LlamaForCausalLMEagle3) and model.safetensors with the
-drafter's own tensor names minus embed_tokens (the engine shares the target's). Every file is
-read back and compared bit for bit before `run` returns.
+`sglang`: config.json (LlamaForCausalLMEagle3) and model.safetensors with the drafter's own
+tensor names minus embed_tokens (the engine shares the target's); vLLM loads this folder too.
+`vllm`: the speculators format (architectures ["Eagle3Speculator"], speculators_config,
+transformer_layer_config), tensor names midlayer.* -> layers.0.*. Every file is read back and
+compared bit for bit before `run` returns; the result carries the serving command per engine.
 
 Aux layer ids, read from the engines' sources:
 - SGLang (model_runner.py) passes `eagle_config.eagle_aux_hidden_state_layer_ids` to the
@@ -14,6 +17,17 @@ Aux layer ids, read from the engines' sources:
   `eagle_aux_hidden_state_layer_ids` and captures the stream entering layer id, with no +1
   (models/llama.py): our ids + 1. Both engines' defaults agree: SGLang [2, N//2, N-3] and vLLM
   (2, N//2, N-3) are the inputs of those layers = outputs of 1, N//2-1, N-4.
+
+The speculators format, read from vllm-project/vllm transformers_utils/configs/speculators/
+{base,algos}.py and vllm-project/speculators src/speculators/{config.py,models/eagle3/config.py,
+convert/converters/eagle3.py}: vLLM detects it by `speculators_model_type`, builds the draft's
+HF config from `transformer_layer_config`, and copies draft_vocab_size, target_hidden_size,
+eagle_aux_hidden_state_layer_ids (read like its own top-level key: our ids + 1) and
+norm_before_residual, which DEFAULTS TO TRUE there (the speculators library defaults to False),
+so it is always written, as false: our residual is the un-normed fused state. Tensors: the
+speculators converter maps "midlayer." -> "layers.0." and keeps d2t, t2d, fc., lm_head., norm.;
+vLLM's Eagle3LlamaForCausalLM.load_weights skips t2d, renames d2t -> draft_id_to_target_id and
+prefixes the rest with "model.".
 """
 
 from __future__ import annotations
@@ -28,9 +42,16 @@ from safetensors.torch import load_file, save_file
 from draftsmith.draft import DraftConfig, Eagle3Drafter, load_drafter
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
+SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
 SGLANG_COMMAND = ("python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 "
                   "--speculative-draft-model-path {out} --speculative-num-steps 5 --speculative-eagle-topk 1 "
                   "--speculative-num-draft-tokens 6")
+DRAFT_TOKENS = 5  # what the commands and speculators_config propose per cycle
+
+
+def vllm_command(target: str, out) -> str:
+    spec = json.dumps({"method": "eagle3", "model": str(out), "num_speculative_tokens": DRAFT_TOKENS}, separators=(",", ":"))
+    return f"vllm serve {target} --speculative-config '{spec}'"
 
 
 class ExportError(ValueError):
@@ -55,8 +76,9 @@ class ExportConfig:
 class ExportResult:
     out: Path
     tensors: dict[str, tuple[int, ...]]  # name -> shape, as written
-    command: str  # how to serve it
+    command: str  # how to serve it (the format's own engine)
     files: list[str] = field(default_factory=list)
+    commands: dict[str, str] = field(default_factory=dict)  # engine -> serving command
 
 
 # --------------------------------------------------------------------------- the SGLang format
@@ -169,17 +191,22 @@ def export_sglang(drafter: Eagle3Drafter, out: Path, target_config: dict | None 
     tensors = {k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items() if k != "embed_tokens.weight"}
     check_tensors(tensors, cfg, "drafter")
     config = sglang_config(cfg, target_config, drafter.fc.weight.dtype)
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-
+    _write_and_verify(out, config, tensors)
     back = load_file(out / "model.safetensors")
     check_tensors(back, cfg, str(out / "model.safetensors"))
-    changed = [k for k in tensors if back[k].dtype != tensors[k].dtype or not torch.equal(_bits(back[k]), _bits(tensors[k]))]
-    if changed:
-        raise ExportError(f"{out}: tensors changed between write and read-back: {changed}")
     if draft_config_from_sglang(json.loads((out / "config.json").read_text())) != cfg:
         raise ExportError(f"{out / 'config.json'} does not describe the drafter it was written for")
     return out
+
+
+def _write_and_verify(out: Path, config: dict, tensors: dict[str, torch.Tensor]):
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    back = load_file(out / "model.safetensors")
+    changed = [k for k in tensors if k not in back or back[k].dtype != tensors[k].dtype
+               or not torch.equal(_bits(back[k]), _bits(tensors[k]))]
+    if changed or set(back) != set(tensors):
+        raise ExportError(f"{out}: tensors changed between write and read-back: {changed or sorted(set(back) ^ set(tensors))}")
 
 
 def load_export(folder, embed: torch.Tensor | None = None) -> tuple[Eagle3Drafter, dict]:
@@ -191,6 +218,106 @@ def load_export(folder, embed: torch.Tensor | None = None) -> tuple[Eagle3Drafte
         raise ExportError(f"{folder}: architectures {config.get('architectures')} is not [{ARCHITECTURE!r}]")
     cfg = draft_config_from_sglang(config)
     tensors = load_file(folder / "model.safetensors")
+    check_tensors(tensors, cfg, str(folder / "model.safetensors"))
+    return load_drafter(tensors, cfg, embed), config
+
+
+# --------------------------------------------------------------------------- vLLM's speculators format
+
+SPECULATORS_RENAME = {"midlayer.": "layers.0."}  # ours -> speculators (convert/converters/eagle3.py)
+
+
+def to_speculators_names(tensors: dict) -> dict:
+    out = {}
+    for k, v in tensors.items():
+        for ours, theirs in SPECULATORS_RENAME.items():
+            k = theirs + k[len(ours):] if k.startswith(ours) else k
+        out[k] = v
+    return out
+
+
+def from_speculators_names(tensors: dict) -> dict:
+    out = {}
+    for k, v in tensors.items():
+        for ours, theirs in SPECULATORS_RENAME.items():
+            k = ours + k[len(theirs):] if k.startswith(theirs) else k
+        out[k] = v
+    return out
+
+
+def speculators_config(cfg: DraftConfig, target_config: dict | None = None, dtype: torch.dtype = torch.bfloat16,
+                       verifier: str | None = None) -> dict:
+    """config.json in the speculators format (Eagle3SpeculatorConfig as vLLM reads it)."""
+    base = sglang_config(cfg, target_config, dtype)  # same checks, same transformer hyperparameters
+    layer = {k: base[k] for k in ("model_type", "num_hidden_layers", "hidden_size", "intermediate_size",
+                                  "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps",
+                                  "rope_theta", "max_position_embeddings", "vocab_size", "tie_word_embeddings")}
+    layer.update(attention_bias=False, mlp_bias=False)
+    if "rope_scaling" in base:
+        layer["rope_scaling"] = base["rope_scaling"]
+    arch = (target_config or {}).get("architectures") or []
+    return {
+        "architectures": [SPECULATORS_ARCHITECTURE],
+        "speculators_model_type": "eagle3",
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": DRAFT_TOKENS,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier, "architectures": list(arch)},
+        },
+        "transformer_layer_config": layer,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.target_hidden_size,
+        "norm_before_residual": False,  # vLLM's speculators loader assumes True when absent
+        # vLLM: the stream entering layer i (no +1), i.e. our output ids + 1
+        "eagle_aux_hidden_state_layer_ids": [i + 1 for i in cfg.aux_layer_ids],
+        "torch_dtype": base["torch_dtype"],
+        "draftsmith": base["draftsmith"],
+    }
+
+
+def draft_config_from_speculators(c: dict, target_num_layers: int | None = None) -> DraftConfig:
+    """Our DraftConfig from a speculators config.json; aux ids are read the way vLLM reads them."""
+    layer, ours = c["transformer_layer_config"], c.get("draftsmith") or {}
+    n = ours.get("target_num_layers") or target_num_layers
+    if n is None:
+        raise ExportError("the speculators config does not say how many layers the target has; pass the target")
+    vllm_ids = c.get("eagle_aux_hidden_state_layer_ids")
+    aux = ours.get("aux_layer_outputs") or ([i - 1 for i in vllm_ids] if vllm_ids else [1, n // 2 - 1, n - 4])
+    heads = layer["num_attention_heads"]
+    return DraftConfig(
+        hidden_size=layer["hidden_size"], target_hidden_size=c.get("target_hidden_size") or layer["hidden_size"],
+        intermediate_size=layer["intermediate_size"], num_heads=heads,
+        num_kv_heads=layer.get("num_key_value_heads") or heads, head_dim=layer.get("head_dim") or layer["hidden_size"] // heads,
+        vocab_size=layer["vocab_size"], draft_vocab_size=c.get("draft_vocab_size") or layer["vocab_size"],
+        aux_layer_ids=tuple(aux), target_num_layers=n, rms_norm_eps=layer.get("rms_norm_eps", 1e-6),
+        rope_theta=float(layer.get("rope_theta") or (layer.get("rope_parameters") or {}).get("rope_theta") or 10000.0),
+        rope_scaling=layer.get("rope_scaling"), max_position_embeddings=layer.get("max_position_embeddings", 4096),
+    )
+
+
+def export_vllm(drafter: Eagle3Drafter, out: Path, target_config: dict | None = None, verifier: str | None = None) -> Path:
+    """Write the speculators folder (config.json + model.safetensors) and check it on read-back."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = drafter.cfg
+    ours = {k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items() if k != "embed_tokens.weight"}
+    check_tensors(ours, cfg, "drafter")
+    config = speculators_config(cfg, target_config, drafter.fc.weight.dtype, verifier)
+    _write_and_verify(out, config, to_speculators_names(ours))
+    check_tensors(from_speculators_names(load_file(out / "model.safetensors")), cfg, str(out / "model.safetensors"))
+    if draft_config_from_speculators(json.loads((out / "config.json").read_text())) != cfg:
+        raise ExportError(f"{out / 'config.json'} does not describe the drafter it was written for")
+    return out
+
+
+def load_vllm_export(folder, embed: torch.Tensor | None = None) -> tuple[Eagle3Drafter, dict]:
+    """Read a speculators-format folder written by export_vllm back into our drafter."""
+    folder = Path(folder)
+    config = json.loads((folder / "config.json").read_text())
+    cfg = draft_config_from_speculators(config)
+    tensors = from_speculators_names(load_file(folder / "model.safetensors"))
     check_tensors(tensors, cfg, str(folder / "model.safetensors"))
     return load_drafter(tensors, cfg, embed), config
 
@@ -224,16 +351,32 @@ def load_trained(folder) -> tuple[Eagle3Drafter, dict]:
 # --------------------------------------------------------------------------- stage entry point
 
 
-FORMATS = {"sglang": (export_sglang, SGLANG_COMMAND)}  # format -> (writer, serving command template)
+def serving_commands(fmt: str, target: str, out) -> dict[str, str]:
+    """engine -> command. vLLM also serves the SGLang folder (it reads the top-level aux ids)."""
+    vllm = vllm_command(target, out)
+    return {"sglang": SGLANG_COMMAND.format(target=target, out=out), "vllm": vllm} if fmt == "sglang" else {"vllm": vllm}
+
+
+FORMATS = {  # format -> (writer, tensor shapes as written, the format's own engine)
+    "sglang": (export_sglang, sglang_shapes, "sglang"),
+    "vllm": (export_vllm, lambda cfg: to_speculators_names(sglang_shapes(cfg)), "vllm"),
+}
 
 
 def run(config: ExportConfig) -> ExportResult:
     drafter, target = load_trained(config.checkpoint)
-    writer, command = FORMATS[config.format]
+    writer, shapes, engine = FORMATS[config.format]
     from draftsmith.common import dtype_of
 
-    out = writer(drafter.to(dtype_of(config.dtype)).eval(), Path(config.out), target.get("hf_config"))
+    drafter = drafter.to(dtype_of(config.dtype)).eval()
+    path = target.get("path")
+    if config.format == "vllm":
+        out = writer(drafter, Path(config.out), target.get("hf_config"), verifier=path)
+    else:
+        out = writer(drafter, Path(config.out), target.get("hf_config"))
     (out / "draftsmith_export.json").write_text(json.dumps(asdict(config), indent=2) + "\n")
-    shapes = sglang_shapes(drafter.cfg)
-    return ExportResult(out=out, tensors=shapes, command=command.format(target=target.get("path") or "<TARGET>", out=out),
-                        files=sorted(p.name for p in out.iterdir()))
+    commands = serving_commands(config.format, path or "<TARGET>", out)
+    for name, command in commands.items():
+        print(f"serve with {name}: {command}")
+    return ExportResult(out=out, tensors=shapes(drafter.cfg), command=commands[engine],
+                        files=sorted(p.name for p in out.iterdir()), commands=commands)

@@ -193,3 +193,79 @@ def test_write_time_check_catches_a_changed_tensor(drafter, tmp_path, monkeypatc
     monkeypatch.setattr(export, "load_file", corrupt)
     with pytest.raises(ExportError, match=r"changed between write and read-back: \['fc.weight'\]"):
         export_sglang(drafter, tmp_path)
+
+
+# --------------------------------------------------------------------------- vLLM's speculators format
+
+# Our names -> the speculators / vLLM names, read from:
+# - vllm-project/speculators src/speculators/convert/converters/eagle3.py: parameter_mappings
+#   {"midlayer.": "layers.0."}; keep_parameters d2t, t2d, embed_tokens., fc., lm_head., norm.
+# - vllm-project/vllm vllm/model_executor/models/llama_eagle3.py (Eagle3LlamaForCausalLM.load_weights):
+#   t2d skipped, d2t -> draft_id_to_target_id, every other name but lm_head gets "model."; midlayer. is
+#   also accepted and renamed to layers.0.; q/k/v and gate/up are stacked into qkv_proj / gate_up_proj.
+OURS_TO_SPECULATORS = {
+    "fc.weight": "fc.weight",
+    "midlayer.input_layernorm.weight": "layers.0.input_layernorm.weight",
+    "midlayer.hidden_norm.weight": "layers.0.hidden_norm.weight",
+    "midlayer.self_attn.q_proj.weight": "layers.0.self_attn.q_proj.weight",
+    "midlayer.self_attn.k_proj.weight": "layers.0.self_attn.k_proj.weight",
+    "midlayer.self_attn.v_proj.weight": "layers.0.self_attn.v_proj.weight",
+    "midlayer.self_attn.o_proj.weight": "layers.0.self_attn.o_proj.weight",
+    "midlayer.post_attention_layernorm.weight": "layers.0.post_attention_layernorm.weight",
+    "midlayer.mlp.gate_proj.weight": "layers.0.mlp.gate_proj.weight",
+    "midlayer.mlp.up_proj.weight": "layers.0.mlp.up_proj.weight",
+    "midlayer.mlp.down_proj.weight": "layers.0.mlp.down_proj.weight",
+    "norm.weight": "norm.weight",
+    "lm_head.weight": "lm_head.weight",
+    "d2t": "d2t",
+    "t2d": "t2d",
+}
+
+
+def test_vllm_file_has_the_speculators_names_and_shapes(drafter, tmp_path):
+    from draftsmith.export import export_vllm
+
+    export_vllm(drafter, tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    assert {k: tuple(t.shape) for k, t in tensors.items()} == {OURS_TO_SPECULATORS[k]: s for k, s in SGLANG_NAMES.items()}
+
+
+def test_vllm_config_is_what_the_speculators_loaders_read(drafter, tmp_path):
+    # vllm transformers_utils/configs/speculators/base.py validates speculators_config.proposal_methods[0]
+    # .speculative_tokens, .verifier.name_or_path, speculators_model_type and transformer_layer_config;
+    # algos.py update_eagle3 copies draft_vocab_size, target_hidden_size, eagle_aux_hidden_state_layer_ids and
+    # norm_before_residual with a default of TRUE (speculators models/eagle3/config.py defaults it to False).
+    from dataclasses import replace
+
+    from draftsmith.export import speculators_config
+
+    scaling = {"rope_type": "linear", "factor": 2.0}
+    cfg = replace(drafter.cfg, rope_scaling=scaling, rms_norm_eps=1e-5)
+    c = speculators_config(cfg, {"vocab_size": V, "hidden_size": H, "num_hidden_layers": N,
+                                 "architectures": ["LlamaForCausalLM"]}, torch.bfloat16, verifier="/models/tiny")
+    assert c["architectures"] == ["Eagle3Speculator"] and c["speculators_model_type"] == "eagle3"
+    spec = c["speculators_config"]
+    assert spec["algorithm"] == "eagle3" and spec["default_proposal_method"] == "greedy"
+    assert spec["proposal_methods"][0]["speculative_tokens"] == 5
+    assert spec["verifier"] == {"name_or_path": "/models/tiny", "architectures": ["LlamaForCausalLM"]}
+    assert c["norm_before_residual"] is False  # explicit: vLLM would assume True
+    assert c["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # vLLM reads inputs of layers: our outputs + 1
+    assert c["draft_vocab_size"] == VD and c["target_hidden_size"] == H
+    layer = c["transformer_layer_config"]
+    assert {k: layer[k] for k in ("model_type", "num_hidden_layers", "hidden_size", "head_dim", "vocab_size",
+                                  "rms_norm_eps", "rope_scaling", "num_key_value_heads")} == {
+        "model_type": "llama", "num_hidden_layers": 1, "hidden_size": H, "head_dim": HD, "vocab_size": V,
+        "rms_norm_eps": 1e-5, "rope_scaling": scaling, "num_key_value_heads": KV}
+
+
+def test_run_vllm_format_prints_the_vllm_command(drafter, tmp_path, capsys):
+    info = {"path": "/models/tiny", "hf_config": {"vocab_size": V, "hidden_size": H, "num_hidden_layers": N}}
+    save_trained(drafter, tmp_path / "final", info)
+    out = tmp_path / "vllm"
+    result = run(ExportConfig(checkpoint=str(tmp_path / "final"), out=str(out), format="vllm", dtype="float32"))
+    assert result.command == ("vllm serve /models/tiny --speculative-config "
+                              f"'{{\"method\":\"eagle3\",\"model\":\"{out}\",\"num_speculative_tokens\":5}}'")
+    assert set(result.commands) == {"vllm"} and result.command in capsys.readouterr().out
+    assert json.loads((out / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"] == "/models/tiny"
+    sglang = run(ExportConfig(checkpoint=str(tmp_path / "final"), out=str(tmp_path / "sglang"), dtype="float32"))
+    assert set(sglang.commands) == {"sglang", "vllm"} and sglang.command == sglang.commands["sglang"]
