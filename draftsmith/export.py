@@ -227,22 +227,21 @@ def load_export(folder, embed: torch.Tensor | None = None) -> tuple[Eagle3Drafte
 SPECULATORS_RENAME = {"midlayer.": "layers.0."}  # ours -> speculators (convert/converters/eagle3.py)
 
 
-def to_speculators_names(tensors: dict) -> dict:
+def _rename(tensors: dict, prefixes: dict) -> dict:
     out = {}
     for k, v in tensors.items():
-        for ours, theirs in SPECULATORS_RENAME.items():
-            k = theirs + k[len(ours):] if k.startswith(ours) else k
+        for old, new in prefixes.items():
+            k = new + k[len(old):] if k.startswith(old) else k
         out[k] = v
     return out
+
+
+def to_speculators_names(tensors: dict) -> dict:
+    return _rename(tensors, SPECULATORS_RENAME)
 
 
 def from_speculators_names(tensors: dict) -> dict:
-    out = {}
-    for k, v in tensors.items():
-        for ours, theirs in SPECULATORS_RENAME.items():
-            k = ours + k[len(theirs):] if k.startswith(theirs) else k
-        out[k] = v
-    return out
+    return _rename(tensors, {theirs: ours for ours, theirs in SPECULATORS_RENAME.items()})
 
 
 def speculators_config(cfg: DraftConfig, target_config: dict | None = None, dtype: torch.dtype = torch.bfloat16,

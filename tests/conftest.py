@@ -106,3 +106,15 @@ def tiny_hidden(tiny_target_dir, tiny_answers, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("hidden")
     run(ExtractConfig(target=str(tiny_target_dir), data=str(tiny_answers), out=str(out), shard_samples=5))
     return out
+
+
+@pytest.fixture(scope="session")
+def target8(tmp_path_factory):
+    """An 8-layer random Llama (so the default aux layers are (1, 3, 4)): folder, native model, HF config."""
+    from draftsmith.target import ModelArgs, Transformer, hf_to_native
+
+    hf = make_hf_model(layers=8)
+    folder = save_hf_folder(tmp_path_factory.mktemp("target8"), hf, make_tokenizer())
+    model = Transformer(ModelArgs.from_hf(hf.config.to_dict())).eval()
+    model.load_state_dict(hf_to_native(hf.state_dict()), strict=False)
+    return folder, model, hf.config.to_dict()

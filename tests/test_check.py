@@ -8,22 +8,12 @@ import torch
 from draftsmith.check import FAULTS, CheckConfig, CheckError, engine_reads, inspect, run
 from draftsmith.cli import main
 from draftsmith.export import export_sglang, export_vllm
-from draftsmith.target import ModelArgs, Transformer, hf_to_native
 
-from conftest import make_hf_model, make_tokenizer, save_hf_folder
 from helpers import tiny_drafter
 
 N = 8  # target layers: our aux outputs (1, 3, 4); SGLang ids [1, 3, 4]; vLLM ids [2, 4, 5]
 VD = 100
 
-
-@pytest.fixture(scope="module")
-def target8(tmp_path_factory):
-    hf = make_hf_model(layers=N)
-    folder = save_hf_folder(tmp_path_factory.mktemp("target8"), hf, make_tokenizer())
-    model = Transformer(ModelArgs.from_hf(hf.config.to_dict())).eval()
-    model.load_state_dict(hf_to_native(hf.state_dict()), strict=False)
-    return folder, model, hf.config.to_dict()
 
 
 def export(target8, fmt, out):

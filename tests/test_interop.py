@@ -9,21 +9,11 @@ from safetensors.torch import load_file, save_file
 from draftsmith.bench import load_any_drafter
 from draftsmith.export import export_sglang, export_vllm, load_export, load_trained, load_vllm_export
 from draftsmith.interop import ImportConfig, InteropError, load_foreign, read_tensor_file, run
-from draftsmith.target import ModelArgs, Transformer, hf_to_native
 
-from conftest import make_hf_model, make_tokenizer, save_hf_folder
 from helpers import tiny_drafter
 
 N, H, V, VD = 8, 64, 320, 100
 
-
-@pytest.fixture(scope="module")
-def target8(tmp_path_factory):
-    hf = make_hf_model(layers=N)
-    folder = save_hf_folder(tmp_path_factory.mktemp("target8"), hf, make_tokenizer())
-    model = Transformer(ModelArgs.from_hf(hf.config.to_dict())).eval()
-    model.load_state_dict(hf_to_native(hf.state_dict()), strict=False)
-    return folder, model, hf.config.to_dict()
 
 
 @pytest.fixture
