@@ -155,7 +155,10 @@ def test_speculators_package_loads_our_vllm_export(drafter, target8, tmp_path):
         emb = theirs.embed_tokens(ids)
         pos = torch.arange(10)[None]
         layer_in = torch.cat([emb, hidden], dim=-1)
-        out = theirs.layers[0](layer_in, position_ids=pos, position_embeddings=theirs.rotary_emb(layer_in, pos))
+        theirs.layers[0].self_attn.config._attn_implementation = "eager"  # takes a plain additive causal mask
+        causal = torch.full((10, 10), float("-inf")).triu(1)[None, None]
+        out = theirs.layers[0](layer_in, attention_mask=causal, position_ids=pos,
+                               position_embeddings=theirs.rotary_emb(layer_in, pos))
         out = out[0] if isinstance(out, tuple) else out
         got = theirs.lm_head(theirs.norm(out))
         drafter.setup_caches(1, 16)
