@@ -2,7 +2,7 @@
 
 Offline, the hidden states come from extract's shards; online (`--online`, `--data` is
 generate's answers.jsonl) the frozen target runs in the loop on each packed batch, so nothing
-touches the disk. Per step, samples are packed into one row of `batch_tokens` (no padding), the drafter is
+touches the disk. Samples are packed into rows ("packs") of `batch_tokens` (no padding), the drafter is
 unrolled `ttt_depth` steps (draft.py), and each step's output is scored against the target's
 own distribution over the draft vocab, recomputed from the stored final hidden state with the
 frozen target head (REFERENCE.md §2):
@@ -14,18 +14,31 @@ acc_j is agreement with the target's greedy token and the simulated accept lengt
 position and RNG state, written atomically; rerunning the same command resumes exactly.
 
     python -m draftsmith train --target smollm2-135m --data runs/hs --out runs/draft
+
+Several GPUs (or CPU processes, over gloo): launch the same command under torchrun, e.g.
+
+    torchrun --nproc-per-node 8 -m draftsmith train --device cuda --parallel fsdp ...
+
+Every rank packs the same global sequence of batches; an optimizer step takes the next
+W x grad_accum packs (W ranks), rank r training on packs r, r+W, ... of them, and its gradient
+is the mean over those packs of each pack's loss. So a run is defined by W x grad_accum alone:
+8 GPUs with grad_accum 1 follow the loss curve of 1 GPU with grad_accum 8, and a checkpoint
+(always unsharded, written by rank 0) resumes under any W with the same product. `--parallel`
+picks DDP (replicated weights) or FSDP2 (sharded weights and optimizer state); parallel.py.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
@@ -34,6 +47,8 @@ from draftsmith.data import encode_conversation
 from draftsmith.draft import DraftConfig, Eagle3Drafter
 from draftsmith.export import save_trained
 from draftsmith.extract import HiddenStates, read_conversations
+from draftsmith.parallel import (World, barrier, close, full_optimizer_state, full_state_dict, gather, init_world,
+                                 load_optimizer_state, parallelize, sync_gradients)
 from draftsmith.target import load_target
 from draftsmith.vocab import build_vocab, count_tokens
 
@@ -55,7 +70,9 @@ class TrainConfig:
     warmup_ratio: float = 0.015
     weight_decay: float = 0.0
     grad_clip: float = 0.5
-    batch_tokens: int = 4096  # packed tokens per optimizer step
+    batch_tokens: int = 4096  # packed tokens per pack; a step takes world size x grad_accum packs
+    grad_accum: int = 1  # packs per rank per optimizer step
+    parallel: str = "ddp"  # under torchrun: "ddp" or "fsdp" (FSDP2 fully_shard)
     eval_fraction: float = 0.05
     save_every: int = 100  # optimizer steps between checkpoints
     init_head_from_target: bool = True
@@ -70,6 +87,8 @@ class TrainConfig:
             raise ValueError("need ttt_depth >= 1, epochs >= 1, batch_tokens >= 16")
         if not 0 <= self.eval_fraction < 1:
             raise ValueError("eval_fraction must be in [0, 1)")
+        if self.grad_accum < 1 or self.parallel not in ("ddp", "fsdp"):
+            raise ValueError("need grad_accum >= 1 and parallel in ('ddp', 'fsdp')")
 
 
 @dataclass
@@ -115,6 +134,17 @@ def batches(data: HiddenStates, indices: list[int], batch_tokens: int, start: in
             group.append({k: v[:length] for k, v in s.items()})
             n, i = n + length, i + 1
         yield i, group
+
+
+def steps(data, indices: list[int], batch_tokens: int, start: int, packs_per_step: int):
+    """The global pack sequence cut into optimizer steps; yields (cursor after the step, packs).
+    Every rank computes the same sequence, so the cursor means the same at any world size."""
+    it = batches(data, indices, batch_tokens, start)
+    while True:
+        chunk = [cg for _, cg in zip(range(packs_per_step), it)]
+        if not chunk:
+            return
+        yield chunk[-1][0], [g for _, g in chunk]
 
 
 class Conversations:
@@ -204,17 +234,62 @@ def summarize(stats: list[list[tuple]]) -> dict:
     return {"loss": loss, "acc": acc, "accept_length": accept_length(acc)}
 
 
+class TTTObjective(nn.Module):
+    """What DDP / FSDP wrap (their hooks run around forward): packed batch -> (loss, stats).
+    batch None stands in for a rank with no pack left in a step; like a pack with no scored
+    token it gives a zero loss over every trainable weight, so that backward's collectives line up."""
+
+    def __init__(self, drafter: Eagle3Drafter, head: torch.Tensor, depth: int):
+        super().__init__()
+        self.drafter, self.head, self.depth = drafter, head, depth  # head: frozen (Vd, H), not a weight
+
+    def forward(self, batch: dict | None):
+        loss, stats = ttt_loss(self.drafter, self.head, batch, self.depth) if batch is not None else (0.0, [])
+        if not torch.is_tensor(loss):
+            loss = sum(p.sum() for p in self.parameters() if p.requires_grad) * 0.0
+        return loss, stats
+
+
+def train_step(model, params, opt, packs: list, cfg: TrainConfig, world: World, featurize) -> list:
+    """One optimizer step over this step's k global packs (the same list on every rank). Rank r
+    trains on packs r, r+W, ...; each pack's loss is weighted W/k, so after backward averages the
+    gradient over the W ranks, it is the mean over the k packs of the per-pack gradient, whatever
+    W and grad_accum are. Returns every pack's stats, in pack order, on every rank."""
+    k, mine = len(packs), list(range(world.rank, len(packs), world.size))
+    slots = cfg.grad_accum if world.size > 1 else len(mine)  # ranks must agree on the number of backwards
+    opt.zero_grad(set_to_none=True)
+    done = []
+    for a in range(slots):
+        i = mine[a] if a < len(mine) else None
+        with sync_gradients(model, a == slots - 1):
+            with autocast(world.device):
+                loss, stats = model(featurize(pack(packs[i], world.device)) if i is not None else None)
+            (loss * (world.size / k)).backward()
+        if i is not None:
+            done.append((i, stats))
+    stats = [s for _, s in sorted(gather(world, done))]
+    if any(n for s in stats for _, _, n in s):  # as in one process: no scored token, no update
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        opt.step()
+    return stats
+
+
 @torch.no_grad()
-def evaluate(drafter, head, data, indices, cfg: TrainConfig, featurize) -> dict:
+def evaluate(model, data, indices, cfg: TrainConfig, featurize, world: World) -> dict:
+    """Held-out metrics, the packs spread over the ranks like in training (FSDP needs every rank
+    in every forward, so ranks that run out pass None)."""
     if not indices:
         return {}
-    drafter.eval()
-    stats = []
-    for _, g in batches(data, indices, cfg.batch_tokens):
-        with autocast(cfg.device):
-            stats.append(ttt_loss(drafter, head, featurize(pack(g, cfg.device)), cfg.ttt_depth)[1])
-    drafter.train()
-    return summarize(stats)
+    packs = [g for _, g in batches(data, indices, cfg.batch_tokens)]
+    model.eval()
+    mine = []
+    for i in range(world.rank, math.ceil(len(packs) / world.size) * world.size, world.size):
+        with autocast(world.device):
+            _, stats = model(featurize(pack(packs[i], world.device)) if i < len(packs) else None)
+        if i < len(packs):
+            mine.append((i, stats))
+    model.train()
+    return summarize([s for _, s in sorted(gather(world, mine))])
 
 
 def autocast(device: str):
@@ -234,27 +309,34 @@ def lr_lambda(total: int, warmup: int):
     return f
 
 
-def save_checkpoint(folder: Path, drafter, opt, sched, state: dict):
-    tmp = folder.with_name(folder.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in drafter.state_dict().items()}, str(tmp / "model.safetensors"))
-    torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "rng": torch.get_rng_state(), **state},
-               tmp / "state.pt")
-    if folder.exists():
-        old = folder.with_name(folder.name + ".old")
-        folder.rename(old)
-        tmp.rename(folder)
-        for f in old.iterdir():
-            f.unlink()
-        old.rmdir()
-    else:
-        tmp.rename(folder)
+def save_checkpoint(folder: Path, drafter, opt, sched, state: dict, world: World):
+    """Unsharded weights and optimizer state (gathered on every rank), written by rank 0 atomically."""
+    weights, optimizer = full_state_dict(drafter), full_optimizer_state(opt)
+    if world.main:
+        tmp = folder.with_name(folder.name + ".tmp")
+        tmp.mkdir(parents=True, exist_ok=True)
+        save_file(weights, str(tmp / "model.safetensors"))
+        torch.save({"optimizer": optimizer, "scheduler": sched.state_dict(), "rng": torch.get_rng_state(), **state},
+                   tmp / "state.pt")
+        if folder.exists():
+            old = folder.with_name(folder.name + ".old")
+            folder.rename(old)
+            tmp.rename(folder)
+            for f in old.iterdir():
+                f.unlink()
+            old.rmdir()
+        else:
+            tmp.rename(folder)
+    barrier(world)
 
 
-def load_checkpoint(folder: Path, drafter, opt, sched) -> dict:
-    drafter.load_state_dict(load_file(str(folder / "model.safetensors")))
-    state = torch.load(folder / "state.pt", weights_only=True)
-    opt.load_state_dict(state.pop("optimizer"))
+def load_checkpoint(folder: Path, opt, sched, packs_per_step: int) -> dict:
+    """Optimizer, scheduler and RNG (the weights were loaded before parallelize); returns the rest."""
+    state = {"packs_per_step": 1, **torch.load(folder / "state.pt", weights_only=True)}  # before #6: one pack a step
+    if state["packs_per_step"] != packs_per_step:
+        raise ValueError(f"{folder} was written with {state['packs_per_step']} packs per step (processes x grad_accum), "
+                         f"this run takes {packs_per_step}; resume with the same product")
+    load_optimizer_state(opt, state.pop("optimizer"))
     sched.load_state_dict(state.pop("scheduler"))
     torch.set_rng_state(state.pop("rng"))
     return state
@@ -263,7 +345,7 @@ def load_checkpoint(folder: Path, drafter, opt, sched) -> dict:
 # --------------------------------------------------------------------------- entry point
 
 
-def build_drafter(cfg: TrainConfig, target, data, train_idx: list[int], aux: tuple[int, ...]):
+def build_drafter(cfg: TrainConfig, target, data, train_idx: list[int], aux: tuple[int, ...], device: str | None = None):
     args = target.model.args
     vocab = build_vocab(count_tokens((data[i] for i in train_idx), args.vocab_size), min(cfg.draft_vocab_size, args.vocab_size))
     torch.manual_seed(cfg.seed)
@@ -272,83 +354,107 @@ def build_drafter(cfg: TrainConfig, target, data, train_idx: list[int], aux: tup
     drafter.embed_tokens.weight.data.copy_(target.model.embed_tokens.weight)
     if cfg.init_head_from_target:
         drafter.init_from_target(target.model)
-    return drafter.to(cfg.device), vocab.coverage
+    return drafter.to(device or cfg.device), vocab.coverage
 
 
-def run(config: TrainConfig) -> TrainResult:
-    t0 = time.perf_counter()
-    out = Path(config.out)
-    out.mkdir(parents=True, exist_ok=True)
-    write_config(out, "train", config)
-    target = load_target(config.target, config.device, dtype_of(config.target_dtype))
+def load_data(config: TrainConfig, target):
+    """(dataset, aux layer ids, featurize): offline shards as stored, online the target per pack."""
     if config.online:
         data = Conversations(config.data, target.tokenizer, config.max_length)
         aux = tuple(config.aux_layers or target.model.args.default_aux_layers())
+        return data, aux, lambda batch: {**batch, **target_features(target.model, batch, aux)}
+    data = HiddenStates(config.data)
+    if data.manifest.get("hidden_size") != target.model.args.hidden_size:
+        raise ValueError(f"{config.data} was extracted from a target of hidden size {data.manifest.get('hidden_size')}, "
+                         f"not {config.target} ({target.model.args.hidden_size})")
+    return data, tuple(data.manifest["aux_layer_ids"]), lambda batch: batch
 
-        def featurize(batch):
-            return {**batch, **target_features(target.model, batch, aux)}
-    else:
-        data = HiddenStates(config.data)
-        if data.manifest.get("hidden_size") != target.model.args.hidden_size:
-            raise ValueError(f"{config.data} was extracted from a target of hidden size {data.manifest.get('hidden_size')}, "
-                             f"not {config.target} ({target.model.args.hidden_size})")
-        aux = tuple(data.manifest["aux_layer_ids"])
 
-        def featurize(batch):
-            return batch
+def unsharded(drafter: Eagle3Drafter, config: TrainConfig, world: World) -> Eagle3Drafter:
+    """The drafter with plain full weights, for save_trained (collective under FSDP)."""
+    if world.size == 1 or config.parallel == "ddp":
+        return drafter
+    plain = Eagle3Drafter(drafter.cfg)
+    plain.load_state_dict(full_state_dict(drafter))
+    return plain
+
+
+def run(config: TrainConfig) -> TrainResult:
+    world = init_world(config.device)  # one process unless launched by torchrun
+    try:
+        return train(config, world)
+    finally:
+        close(world)
+
+
+def train(config: TrainConfig, world: World) -> TrainResult:
+    t0 = time.perf_counter()
+    out, device = Path(config.out), world.device
+    out.mkdir(parents=True, exist_ok=True)
+    if world.main:
+        write_config(out, "train", config)
+    target = load_target(config.target, device, dtype_of(config.target_dtype))
+    data, aux, featurize = load_data(config, target)
     train_idx, eval_idx = split(data.ids, config.eval_fraction, config.seed)
-    drafter, coverage = build_drafter(config, target, data, train_idx, aux)
-    head = target.model.lm_head.weight[drafter.to_target(torch.arange(drafter.cfg.draft_vocab_size, device=config.device))].detach()
-    params = [p for p in drafter.parameters() if p.requires_grad]
+    drafter, coverage = build_drafter(config, target, data, train_idx, aux, device)
+    head = target.model.lm_head.weight[drafter.to_target(torch.arange(drafter.cfg.draft_vocab_size, device=device))].detach()
+    ckpt = out / "checkpoint"
+    resuming = (ckpt / "state.pt").exists()
+    if resuming:
+        drafter.load_state_dict(load_file(str(ckpt / "model.safetensors")))
+    model = parallelize(TTTObjective(drafter, head, config.ttt_depth), config.parallel, world)
+    params = [p for p in drafter.parameters() if p.requires_grad]  # after parallelize: FSDP swaps them
     opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95))
-    steps_per_epoch = sum(1 for _ in batches(data, train_idx, config.batch_tokens))
+    per_step = world.size * config.grad_accum
+    steps_per_epoch = math.ceil(sum(1 for _ in batches(data, train_idx, config.batch_tokens)) / per_step)
     total = config.schedule_steps or steps_per_epoch * config.epochs
     epochs = math.ceil(total / steps_per_epoch)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total, max(1, int(total * config.warmup_ratio))))
-    ckpt = out / "checkpoint"
-    state = {"step": 0, "epoch": 0, "cursor": 0}
-    if (ckpt / "state.pt").exists():
-        state = load_checkpoint(ckpt, drafter, opt, sched)
-        print(f"resumed from {ckpt} at step {state['step']} (epoch {state['epoch']}, sample {state['cursor']})")
-    log = open(out / "metrics.jsonl", "a")
-    bar = Progress(total, "train", unit="step")
-    bar.update(state["step"])
-    drafter.train()
+    state = {"step": 0, "epoch": 0, "cursor": 0, "packs_per_step": per_step}
+    if resuming:
+        state = load_checkpoint(ckpt, opt, sched, per_step)
+        if world.main:
+            print(f"resumed from {ckpt} at step {state['step']} (epoch {state['epoch']}, sample {state['cursor']})")
+    log = open(out / "metrics.jsonl" if world.main else os.devnull, "a")  # only rank 0 writes files
+    bar = Progress(total, "train", unit="step") if world.main else None
+    if bar:
+        bar.update(state["step"])
+    model.train()
     limit = min(config.max_steps or total, total)
     loop_seconds = 0.0
     while state["epoch"] < epochs and state["step"] < limit:
         order = [train_idx[i] for i in torch.randperm(len(train_idx), generator=torch.Generator().manual_seed(config.seed + state["epoch"]))]
-        for cursor, group in batches(data, order, config.batch_tokens, state["cursor"]):
+        for cursor, packs in steps(data, order, config.batch_tokens, state["cursor"], per_step):
             if state["step"] >= limit:
                 break
             t_step = time.perf_counter()
-            with autocast(config.device):
-                loss, stats = ttt_loss(drafter, head, featurize(pack(group, config.device)), config.ttt_depth)
-            opt.zero_grad(set_to_none=True)
-            if torch.is_tensor(loss):
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
-                opt.step()
+            stats = train_step(model, params, opt, packs, config, world, featurize)
             sched.step()
             state.update(step=state["step"] + 1, cursor=cursor)
             loop_seconds += time.perf_counter() - t_step
-            s = summarize([stats])
+            s = summarize(stats)
             log.write(json.dumps({"step": state["step"], "lr": sched.get_last_lr()[0], **s}) + "\n")
-            bar.update(1, tokens=sum(len(g["input_ids"]) for g in group), loss=s["loss"][0], acc0=s["acc"][0],
-                       tau=s["accept_length"])
+            if bar:
+                bar.update(1, tokens=sum(len(x["input_ids"]) for g in packs for x in g), loss=s["loss"][0],
+                           acc0=s["acc"][0], tau=s["accept_length"])
             if state["step"] % config.save_every == 0:
                 log.flush()
-                save_checkpoint(ckpt, drafter, opt, sched, state)
+                save_checkpoint(ckpt, drafter, opt, sched, state, world)
         else:
-            metrics = evaluate(drafter, head, data, eval_idx, config, featurize)
+            metrics = evaluate(model, data, eval_idx, config, featurize, world)
             state.update(epoch=state["epoch"] + 1, cursor=0)
             log.write(json.dumps({"epoch": state["epoch"], "eval": metrics}) + "\n")
-            print(f"epoch {state['epoch']}: held-out acc {[round(a, 3) for a in metrics.get('acc', [])]} "
-                  f"accept length {metrics.get('accept_length', float('nan')):.2f}")
-    bar.close()
+            if world.main:
+                print(f"epoch {state['epoch']}: held-out acc {[round(a, 3) for a in metrics.get('acc', [])]} "
+                      f"accept length {metrics.get('accept_length', float('nan')):.2f}")
+    if bar:
+        bar.close()
     log.close()
-    save_checkpoint(ckpt, drafter, opt, sched, state)
-    final = evaluate(drafter, head, data, eval_idx, config, featurize)
-    save_trained(drafter.eval(), out / "drafter", {"path": target.path, "spec": config.target, "hf_config": target.hf_config})
-    (out / "eval.json").write_text(json.dumps(final, indent=2))
+    save_checkpoint(ckpt, drafter, opt, sched, state, world)
+    final = evaluate(model, data, eval_idx, config, featurize, world)
+    plain = unsharded(drafter, config, world)
+    if world.main:
+        save_trained(plain.eval(), out / "drafter", {"path": target.path, "spec": config.target, "hf_config": target.hf_config})
+        (out / "eval.json").write_text(json.dumps(final, indent=2))
+    barrier(world)
     return TrainResult(str(out), state["step"], time.perf_counter() - t0, final, coverage, loop_seconds)

@@ -4,7 +4,8 @@ import torch
 from safetensors.torch import load_file
 
 from draftsmith.extract import HiddenStates
-from draftsmith.train import TrainConfig, accept_length, build_drafter, pack, run, target_features, ttt_loss
+from draftsmith.train import (TrainConfig, accept_length, batches, build_drafter, pack, run, steps, target_features,
+                             ttt_loss)
 from draftsmith.target import load_target
 
 
@@ -42,6 +43,22 @@ def test_resumed_run_matches_an_uninterrupted_one(tiny_target_dir, tiny_hidden, 
     assert resumed.eval == full.eval
     steps = [json.loads(l)["step"] for l in (tmp_path / "part" / "metrics.jsonl").read_text().splitlines() if "step" in json.loads(l)]
     assert steps == list(range(1, full.steps + 1))  # every step logged exactly once
+
+
+def test_steps_cut_the_global_pack_sequence(tiny_hidden):
+    """A step of W x grad_accum packs takes the next packs of the one global sequence, and its
+    cursor resumes exactly after them, whatever W x grad_accum is."""
+    data = HiddenStates(tiny_hidden)
+    order = torch.randperm(len(data), generator=torch.Generator().manual_seed(0)).tolist()
+    packs = list(batches(data, order, 192))
+    ids = [[s["input_ids"].tolist() for s in g] for _, g in packs]
+    for per_step in (1, 2, 3):
+        grouped = list(steps(data, order, 192, 0, per_step))
+        assert [[s["input_ids"].tolist() for g in gs for s in g] for _, gs in grouped] == \
+            [[x for g in ids[i:i + per_step] for x in g] for i in range(0, len(ids), per_step)]
+        assert [c for c, _ in grouped] == [packs[min(i + per_step, len(packs)) - 1][0] for i in range(0, len(packs), per_step)]
+        rest = list(steps(data, order, 192, grouped[1][0], per_step))
+        assert [c for c, _ in rest] == [c for c, _ in grouped[2:]]
 
 
 def test_simulated_accept_length():
