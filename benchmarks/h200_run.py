@@ -11,7 +11,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from draftsmith import export, generate, train  # noqa: E402
+from draftsmith.bench import device_name, git_commit  # noqa: E402
 from draftsmith.cudagraph import Graphs  # noqa: E402
 from draftsmith.data import load_eval, prompt_ids  # noqa: E402
 from draftsmith.decode import TreeSpec, decode_chain, decode_plain, decode_tree, target_step  # noqa: E402
@@ -29,13 +29,6 @@ from draftsmith.export import load_trained  # noqa: E402
 from draftsmith.target import ModelArgs, Transformer, load_target  # noqa: E402
 
 RUN = Path("/tmp/run")
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 def dump(out: Path, name: str, obj: dict):
@@ -47,7 +40,7 @@ def phase_train(a):
     data = Path(a.data)
     prompts = tuple(sorted(str(p) for p in (data / "prompts").iterdir()))
     evals = (str(data / "eval" / "mt_bench.jsonl"), str(data / "eval" / "spec_bench.jsonl"))
-    res = {"phase": "train", "command": " ".join(sys.argv), "commit": commit(), "device": device_name(a.device)}
+    res = {"phase": "train", "command": " ".join(sys.argv), "commit": git_commit(), "device": device_name(a.device)}
     g = generate.run(generate.GenerateConfig(
         target=a.gguf, prompts=prompts, out=str(RUN / "gen"), exclude=evals, max_new_tokens=a.max_new, batch_size=a.gen_batch,
         max_prompt_tokens=1024, device=a.device, dtype=a.dtype, max_seconds=a.gen_seconds))
@@ -74,10 +67,6 @@ def phase_train(a):
     res.update(pipeline_train_wall_s=round(time.perf_counter() - t0, 1), export=str(ex.out))
     dump(out, "train.json", res)
     print(json.dumps(res), flush=True)
-
-
-def device_name(device: str) -> str:
-    return torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
 
 
 def sync():
@@ -272,7 +261,7 @@ def train_mfu_8b(res):
 
 
 def phase_bench(a):
-    res = {"phase": "bench", "command": " ".join(sys.argv), "commit": commit(), "device": device_name(a.device)}
+    res = {"phase": "bench", "command": " ".join(sys.argv), "commit": git_commit(), "device": device_name(a.device)}
     out = Path(a.out)
     sections = [("smollm2", bench_smollm)]
     if a.device.startswith("cuda"):

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import platform
 import subprocess
-import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path

@@ -251,7 +251,7 @@ def decode_chain_sampled(model: Transformer, drafter: Eagle3Drafter, prompt: tor
     model.setup_caches(1, T + max_new + 2 * k + 2)
     drafter.setup_caches(1, T + max_new + 2 * k + 2)
     draft_ids = drafter.to_target(torch.arange(drafter.cfg.draft_vocab_size, device=dev))
-    verify, rows = target_step(model, capture), drafter_rows(drafter)
+    rows = drafter_rows(drafter)
     sync(dev)
     t0 = time.perf_counter()
     out = model(prompt, torch.arange(T, device=dev), capture=capture)

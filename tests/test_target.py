@@ -3,7 +3,7 @@ import torch
 
 from draftsmith.target import ModelArgs, Transformer, hf_to_native, load_target, resolve_target
 
-from conftest import make_hf_model, make_tokenizer, save_hf_folder
+from conftest import make_hf_model
 
 
 def native_from_hf(hf) -> Transformer:
