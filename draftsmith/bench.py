@@ -24,7 +24,7 @@ import torch
 from draftsmith.common import Progress, dtype_of, write_config
 from draftsmith.data import load_eval, prompt_ids
 from draftsmith.cudagraph import Graphs
-from draftsmith.decode import TreeSpec, decode_chain, decode_chain_sampled, decode_plain, decode_tree
+from draftsmith.decode import TreeSpec, decode_chain, decode_chain_sampled, decode_plain, decode_tree, greedy_agreement
 from draftsmith.target import load_target
 
 
@@ -47,6 +47,7 @@ class BenchConfig:
     warmup: int = 1
     device: str = "cpu"
     dtype: str = "float32"
+    optimize: bool = False  # fused qkv / gate-up matmuls; on CUDA also torch.compile'd decoder layers
 
     def __post_init__(self):
         if self.draft_tokens < 1 or self.num_prompts < 1 or self.max_new_tokens < 1:
@@ -69,9 +70,12 @@ class BenchResult:
     speedup: float
     lossless: bool
     mismatched_prompts: list
+    greedy_agreement: float  # share of speculative tokens that plain greedy picks after the same prefix
+    accept_by_position: list  # share of cycles whose i-th draft (chain) or depth-i node (tree) was accepted
     new_tokens: int
     draft_s: float
     verify_s: float
+    overhead_s: float  # speculative wall time outside drafting and verification (prefill, catch-up, host work)
     device: str
     per_prompt: list = field(default_factory=list)
 
@@ -104,6 +108,8 @@ def load_any_drafter(path: str, embed: torch.Tensor):
 def run(config: BenchConfig) -> BenchResult:
     target = load_target(config.target, config.device, dtype_of(config.dtype))
     model = target.model
+    if config.optimize:
+        model.optimize("inductor" if config.device.startswith("cuda") else None)
     drafter = load_any_drafter(config.drafter, model.embed_tokens.weight.detach().float().cpu())
     drafter = drafter.to(config.device, dtype_of(config.dtype)).eval()
     if drafter.cfg.vocab_size != model.args.vocab_size or drafter.cfg.target_hidden_size != model.args.hidden_size:
@@ -131,12 +137,13 @@ def run(config: BenchConfig) -> BenchResult:
         plain(x, 16)
         spec(x, 16)
     per, lengths = [], []
-    t_plain = t_spec = n_tok = n_spec = d_s = v_s = 0.0
+    t_plain = t_spec = n_tok = n_spec = d_s = v_s = agree = 0.0
     bar = Progress(len(ids) - config.warmup, "bench", unit="prompt")
     for p, x in zip(prompts[config.warmup:], ids[config.warmup:]):
         base = plain(x, config.max_new_tokens)
         fast = spec(x, config.max_new_tokens)
         same = base.tokens == fast.tokens or config.temperature > 0  # sampled runs differ by design
+        agree += len(fast.tokens) if same else greedy_agreement(model, x, fast.tokens, graphs)
         per.append({"id": p.id, "plain_tokens": len(base.tokens), "spec_tokens": len(fast.tokens), "plain_s": base.seconds,
                     "spec_s": fast.seconds, "tau": sum(fast.accept_lengths) / max(len(fast.accept_lengths), 1), "identical": same})
         lengths += fast.accept_lengths
@@ -146,12 +153,16 @@ def run(config: BenchConfig) -> BenchResult:
         bar.update(1, tau=per[-1]["tau"], speedup=(len(fast.tokens) / fast.seconds) / (len(base.tokens) / base.seconds))
     bar.close()
     tau = sum(lengths) / max(len(lengths), 1)
+    depth = max(lengths, default=1) - 1
     result = BenchResult(
         prompts=len(per), draft_tokens=k, tau_mean=tau,
         tau_hist={str(a): v for a, v in sorted(Counter(lengths).items())}, accept_rate=(tau - 1) / k,
         baseline_tok_s=n_tok / t_plain, spec_tok_s=n_spec / t_spec, speedup=(n_spec / t_spec) / (n_tok / t_plain),
         lossless=all(r["identical"] for r in per), mismatched_prompts=[r["id"] for r in per if not r["identical"]],
-        new_tokens=int(n_tok), draft_s=d_s, verify_s=v_s, device=device_name(config.device), per_prompt=per,
+        greedy_agreement=agree / max(n_spec, 1),
+        accept_by_position=[sum(n > i for n in lengths) / max(len(lengths), 1) for i in range(1, depth + 1)],
+        new_tokens=int(n_tok), draft_s=d_s, verify_s=v_s, overhead_s=t_spec - d_s - v_s,
+        device=device_name(config.device), per_prompt=per,
     )
     if config.out:
         out = Path(config.out)
@@ -169,9 +180,12 @@ def table(r: BenchResult) -> str:
         ("accept length (mean)", f"{r.tau_mean:.2f}   accept rate {r.accept_rate:.2f}"),
         ("accept length histogram", hist),
         ("plain decoding", f"{r.baseline_tok_s:.1f} tok/s"),
-        ("speculative decoding", f"{r.spec_tok_s:.1f} tok/s   (draft {r.draft_s:.1f}s, verify {r.verify_s:.1f}s)"),
+        ("speculative decoding", f"{r.spec_tok_s:.1f} tok/s   (draft {r.draft_s:.1f}s, verify {r.verify_s:.1f}s, "
+                                 f"other {r.overhead_s:.1f}s)"),
+        ("accepted by position", "  ".join(f"{a:.2f}" for a in r.accept_by_position)),
         ("speedup", f"{r.speedup:.2f}x"),
-        ("identical to plain", "yes, every prompt" if r.lossless else f"NO: {r.mismatched_prompts}"),
+        ("identical to plain", "yes, every prompt" if r.lossless else
+         f"NO: {r.mismatched_prompts} (greedy agreement {r.greedy_agreement:.4f})"),
         ("device", r.device),
     ]
     w = max(len(k) for k, _ in rows)

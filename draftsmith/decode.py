@@ -60,34 +60,64 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0, g
 def generate_batch(model: Transformer, prompts: list[list[int]], max_new: int, eos_ids=(), temperature: float = 0.0,
                    top_p: float = 1.0, generator=None) -> list[list[int]]:
     """Answer several prompts at once: left-padded into one static cache, each row with its own
-    rotary positions and a mask that hides its padding; finished rows are dropped from the batch."""
+    rotary positions and a mask that hides its padding. On the CPU finished rows leave the batch at
+    once. On CUDA (greedy) the decode step is a CUDA graph for the batch's size; tokens stay on the
+    device, finished rows run on (their tokens after EOS are cut) and the host looks every
+    `CHECK_EVERY` steps, compacting the batch once at most half of it is still live."""
     dev = model.embed_tokens.weight.device
+    graphed = dev.type == "cuda" and temperature <= 0
+    graphs = Graphs(graphed)
     B, L = len(prompts), max(len(p) for p in prompts)
     model.setup_caches(B, L + max_new)
     pad = torch.tensor([L - len(p) for p in prompts], device=dev)  # (B,)
     tokens = torch.tensor([[0] * (L - len(p)) + p for p in prompts], device=dev)  # (B, L)
     slots = torch.arange(model.max_len, device=dev)  # the cache may be longer than L + max_new
-    rows = torch.arange(B, device=dev)  # which prompt each live batch row holds
-    answers: list[list[int]] = [[] for _ in prompts]
-    pos = torch.arange(L, device=dev)
-    for step in range(max_new):
-        mask = (slots[None, None, :] <= pos[None, :, None]) & (slots[None, None, :] >= pad[:, None, None])  # (B, T, S)
+    eos = torch.tensor(sorted(eos_ids) or [-1], device=dev)
+
+    def step(tokens, pos, pad):  # (B, T) at slots pos -> (B,) the next token of every row
+        # a padding query sees only itself (no row is fully masked); real queries never see padding
+        mask = (slots[None, None, :] <= pos[None, :, None]) & ((slots[None, None, :] >= pad[:, None, None])
+                                                                | (slots[None, None, :] == pos[None, :, None]))
         rope = (pos[None, :] - pad[:, None]).clamp(min=0)  # (B, T)
         hidden = model(tokens, pos, mask[:, None], rope).hidden
-        nxt = sample(model.logits(hidden[:, -1]), temperature, top_p, generator)  # (B,)
-        live = []
-        for i, (r, t) in enumerate(zip(rows.tolist(), nxt.tolist())):
-            answers[r].append(t)
-            if t not in eos_ids:
-                live.append(i)
-        if not live:
-            break
-        if len(live) < len(rows):
-            keep = torch.tensor(live, device=dev)
-            rows, pad, nxt = rows[keep], pad[keep], nxt[keep]
-            model.keep_rows(keep)
-        tokens, pos = nxt[:, None], pos[-1:] + 1
+        return sample(model.logits(hidden[:, -1]), temperature, top_p, generator)
+
+    rows = list(range(B))  # which prompt each batch row holds
+    answers: list[list[int]] = [[] for _ in prompts]
+    history = torch.zeros(B, max_new, dtype=torch.long, device=dev)  # tokens of the rows still in the batch
+    done = torch.zeros(B, dtype=torch.bool, device=dev)
+    nxt = step(tokens, torch.arange(L, device=dev), pad)  # prefill
+    pos = torch.tensor([L], device=dev)
+    for i in range(max_new):
+        history[:, i] = nxt
+        done |= torch.isin(nxt, eos)
+        if i == max_new - 1 or (i + 1) % (CHECK_EVERY if graphed else 1) == 0:
+            finished = done.tolist()
+            live = len(rows) - sum(finished)
+            if i == max_new - 1 or live <= (len(rows) // 2 if graphed else len(rows) - 1):
+                keep = [j for j, f in enumerate(finished) if not f] if i < max_new - 1 else []
+                for j, toks in enumerate(history[:, : i + 1].tolist()):
+                    if j not in keep:
+                        answers[rows[j]] = cut_at_eos(toks, eos_ids)
+                if not keep:
+                    break
+                index = torch.tensor(keep, device=dev)
+                rows, pad, history, done, nxt = [rows[j] for j in keep], pad[index], history[index], done[index], nxt[index]
+                model.keep_rows(index)
+                graphs.clear()  # its graphs read the caches keep_rows just replaced
+        nxt = graphs(("gen", len(rows)), step, nxt[:, None], pos, pad)
+        pos += 1
     return answers
+
+
+CHECK_EVERY = 16  # decode steps between host checks for finished rows (CUDA)
+
+
+def cut_at_eos(tokens: list[int], eos_ids) -> list[int]:
+    for i, t in enumerate(tokens):
+        if t in eos_ids:
+            return tokens[: i + 1]
+    return tokens
 
 
 @torch.no_grad()
@@ -132,6 +162,30 @@ def decode_plain(model: Transformer, prompt: torch.Tensor, max_new: int, eos_ids
         pos += 1
     sync(dev)
     return Generation(finish(out, max_new, eos_ids)[0], time.perf_counter() - t0, t_prefill)
+
+
+@torch.no_grad()
+def greedy_agreement(model: Transformer, prompt: torch.Tensor, tokens: list[int], graphs: Graphs | None = None) -> int:
+    """How many of `tokens` (an output for `prompt`) are what plain greedy decoding picks after the
+    same prefix, fed through the same one-token step decode_plain uses. In fp32 a lossless
+    decoder scores len(tokens); in bf16, where a k-token verify pass rounds differently from a
+    one-token step, this counts the near-tie flips themselves rather than everything after the first."""
+    graphs = graphs or eager()
+    dev = prompt.device
+    T = prompt.shape[1]
+    model.setup_caches(1, T + len(tokens) + 1)
+
+    def step(tokens, pos):
+        h = model(tokens, pos + torch.arange(tokens.shape[1], device=pos.device)).hidden
+        return model.logits(h[:, -1]).argmax(-1)
+
+    best = [int(step(prompt, torch.zeros(1, dtype=torch.long, device=dev)))]
+    pos = torch.tensor([T], device=dev)
+    feed = torch.tensor(tokens, device=dev)
+    for i in range(len(tokens) - 1):
+        best.append(int(graphs(("plain", 1), step, feed[i : i + 1][None], pos)))
+        pos += 1
+    return sum(a == b for a, b in zip(best, tokens))
 
 
 def draft_chain(drafter: Eagle3Drafter, k: int):

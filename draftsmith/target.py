@@ -185,9 +185,18 @@ class KVCache(nn.Module):
 
 
 def attention(q, k, v, mask, scale=None):
-    """SDPA with grouped-query heads. q: (B, h, T, D); k, v: (B, kv, S, D); mask: bool (B|1, 1, T, S)."""
-    # enable_gqa reads each kv head for its query group in place; repeating the cache costs a full copy per step
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    """Grouped-query attention. q: (B, h, T, D); k, v: (B, kv, S, D); mask: bool (B|1, 1, T, S)."""
+    B, h, T, D = q.shape
+    kv = k.shape[1]
+    if T * (h // kv) > 64:  # prefill: SDPA (enable_gqa reads each kv head for its group in place)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=h != kv)
+    # decode and verification: a query group per kv head, two small matmuls against the cache as it
+    # lies (no repeated copy of the cache, no fallback to SDPA's unfused math path for masked GQA)
+    g = q.reshape(B, kv, (h // kv) * T, D)
+    s = (g @ k.transpose(-1, -2)).float() * (scale or D**-0.5)  # (B, kv, rep*T, S)
+    m = mask.expand(B, 1, T, mask.shape[-1]).repeat(1, 1, h // kv, 1)  # rows in (head, t) order, like g
+    p = torch.softmax(s.masked_fill(~m, float("-inf")), dim=-1).to(v.dtype)
+    return (p @ v).reshape(B, h, T, D)
 
 
 class Attention(nn.Module):
@@ -205,12 +214,22 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(d, args.rms_norm_eps)
         self.kv_cache: KVCache | None = None
 
+    def fuse(self):
+        """Inference only: one qkv matmul instead of three (the state dict then has `qkv`)."""
+        self.qkv = concat_linears(self.q_proj, self.k_proj, self.v_proj)
+        del self.q_proj, self.k_proj, self.v_proj
+
     def project(self, x, cos, sin):
         """q, k, v for x: (B, T, in_dim) -> (B, heads, T, D) each, rotated."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        if hasattr(self, "qkv"):
+            q, k, v = self.qkv(x).split([h * d, kv * d, kv * d], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(B, T, h, d).transpose(1, 2)
+        k = k.view(B, T, kv, d).transpose(1, 2)
+        v = v.view(B, T, kv, d).transpose(1, 2)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
@@ -232,8 +251,27 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(H, I, bias=args.mlp_bias)
         self.down_proj = nn.Linear(I, H, bias=args.mlp_bias)
 
+    def fuse(self):
+        """Inference only: one gate/up matmul instead of two (the state dict then has `gate_up`)."""
+        self.gate_up = concat_linears(self.gate_proj, self.up_proj)
+        del self.gate_proj, self.up_proj
+
     def forward(self, x):
+        if hasattr(self, "gate_up"):
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def concat_linears(*linears: nn.Linear) -> nn.Linear:
+    """One Linear whose output is the given layers' outputs side by side (same input)."""
+    w = torch.cat([m.weight.detach() for m in linears])
+    out = nn.Linear(w.shape[1], w.shape[0], bias=linears[0].bias is not None, device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        out.weight.copy_(w)
+        if out.bias is not None:
+            out.bias.copy_(torch.cat([m.bias.detach() for m in linears]))
+    return out.requires_grad_(False)
 
 
 class DecoderLayer(nn.Module):
@@ -319,6 +357,18 @@ class Transformer(nn.Module):
         else:
             out = self.lm_head(h)
         return out.reshape(*hidden.shape[:-1], -1).float()  # (..., V)
+
+    def optimize(self, compile_backend: str | None = None) -> "Transformer":
+        """Inference only: fused qkv and gate/up matmuls, and optionally each decoder layer compiled
+        (torch.compile with `compile_backend`, e.g. "inductor"; one compilation serves every layer) so
+        that norms, rotary embeddings and cache writes become a few fused kernels. Captured in a
+        CUDA graph (cudagraph.py), a decode step is then a few hundred kernels instead of ~50 a layer."""
+        for layer in self.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+            if compile_backend:
+                layer.compile(backend=compile_backend, dynamic=False, fullgraph=True)
+        return self
 
     def keep_rows(self, rows: torch.Tensor):
         """Drop finished sequences from a batched cache."""

@@ -20,5 +20,10 @@ def test_bench_reports_identical_outputs_and_accept_lengths(tiny_target_dir, tmp
         assert 1.0 <= r.tau_mean <= 4.0
         assert sum(int(k) * v for k, v in r.tau_hist.items()) + 3 >= r.new_tokens  # + the prefill token per prompt
         assert r.speedup > 0 and "identical to plain" in table(r)
+        assert r.greedy_agreement == 1.0 and len(r.accept_by_position) == max(int(k) for k in r.tau_hist) - 1
+        # position i was accepted in exactly the cycles whose accept length exceeds i
+        cycles = sum(r.tau_hist.values())
+        for i, a in enumerate(r.accept_by_position, start=1):
+            assert abs(a - sum(v for k, v in r.tau_hist.items() if int(k) > i) / cycles) < 1e-9
     saved = json.loads((tmp_path / "b" / "bench.json").read_text())
     assert saved["lossless"] is True and len(saved["per_prompt"]) == 3

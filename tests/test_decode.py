@@ -53,6 +53,17 @@ def test_eos_and_max_new_are_respected(target):
     assert len(decode_chain(target, drafter, prompt, 13, 5).tokens) == 13
 
 
+def test_greedy_agreement_counts_the_tokens_greedy_decoding_would_pick(target):
+    from draftsmith.decode import greedy_agreement
+
+    prompt = torch.randint(3, 320, (1, 8), generator=torch.Generator().manual_seed(4))
+    plain = decode_plain(target, prompt, 24)
+    spec = decode_chain(target, tiny_drafter(target), prompt, 24, 3)
+    assert greedy_agreement(target, prompt, spec.tokens) == len(plain.tokens) == 24
+    wrong = plain.tokens[:-1] + [(plain.tokens[-1] + 1) % 320]  # the last token is not the greedy one
+    assert greedy_agreement(target, prompt, wrong) == 23
+
+
 # --------------------------------------------------------------------------- trees
 
 from draftsmith.decode import DraftTree, TreeSpec, decode_tree, verify_tree  # noqa: E402
