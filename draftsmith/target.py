@@ -299,6 +299,9 @@ def causal_mask(input_pos: torch.Tensor, max_len: int) -> torch.Tensor:
     return (slots[None, :] <= input_pos[:, None])[None, None]
 
 
+COMPILED_MAX_TOKENS = 64  # query lengths (decode, verify, tree) that run optimize()'s compiled layers
+
+
 class Transformer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -342,8 +345,9 @@ class Transformer(nn.Module):
         x = self.embed_tokens(tokens)  # (B, T, H)
         cos, sin = self.rotary(rope_pos, x.dtype)
         aux = []
+        compiled = tokens.shape[1] <= COMPILED_MAX_TOKENS
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, input_pos, mask)
+            x = (layer.fast if compiled and hasattr(layer, "fast") else layer)(x, cos, sin, input_pos, mask)
             if i in capture:
                 aux.append(x)
         return TargetOutput(self.norm(x), torch.cat(aux, dim=-1) if aux else None)
@@ -364,10 +368,16 @@ class Transformer(nn.Module):
         that norms, rotary embeddings and cache writes become a few fused kernels. Captured in a
         CUDA graph (cudagraph.py), a decode step is then a few hundred kernels instead of ~50 a layer."""
         for layer in self.layers:
-            layer.self_attn.fuse()
-            layer.mlp.fuse()
+            if not hasattr(layer.mlp, "gate_up"):
+                layer.self_attn.fuse()
+                layer.mlp.fuse()
             if compile_backend:
-                layer.compile(backend=compile_backend, dynamic=False, fullgraph=True)
+                # one compilation per query length, shared by all layers; long prefills stay eager
+                layer.fast = torch.compile(layer.forward, backend=compile_backend, dynamic=False, fullgraph=True)
+        if compile_backend:
+            cfg = torch._dynamo.config
+            name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+            setattr(cfg, name, max(getattr(cfg, name), 64))  # a few query lengths x cache sizes
         return self
 
     def keep_rows(self, rows: torch.Tensor):
