@@ -14,9 +14,10 @@ with the frozen target head (REFERENCE.md §2):
 each step's KL the mean over its scored tokens in the whole pack. A step scoring more than
 `loss_chunk_tokens` tokens computes its loss in checkpointed chunks, so the (tokens, Vd) logits
 of a whole pack never exist at once. acc_j is agreement with the target's greedy token and the
-simulated accept length is 1 + sum_k prod_{i<=k} acc_i. Checkpoints hold model, optimizer,
-scheduler, step, data position and RNG state, written atomically; rerunning the same command
-resumes exactly.
+simulated accept length is 1 + sum_k prod_{i<=k} acc_i; rank 0 logs them per step to
+metrics.jsonl and, when tensorboard is installed (the `tb` extra), under <out>/tb. Checkpoints
+hold model, optimizer, scheduler, step, data position and RNG state, written atomically;
+rerunning the same command resumes exactly.
 
     python -m draftsmith train --target smollm2-135m --data runs/hs --out runs/draft
 
@@ -410,6 +411,39 @@ def load_checkpoint(folder: Path, opt, sched, packs_per_step: int, rows_per_pack
     return state
 
 
+class Scalars:
+    """TensorBoard scalars under <out>/tb, written by rank 0 when tensorboard is installed; on
+    other ranks, or without it, every call does nothing. A run resumed at `step` hides the
+    events that the interrupted one logged past it."""
+
+    def __init__(self, out: Path, world: World, step: int):
+        self.writer = None
+        if not world.main:
+            return
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            print("tensorboard is not installed (pip install 'draftsmith[tb]'): no TensorBoard logs")
+            return
+        self.writer = SummaryWriter(str(out / "tb"), purge_step=step + 1 if step else None)
+
+    def add(self, tag: str, metrics: dict, step: int):
+        """Lists (loss, acc) become one curve per TTT step: tag/loss_0, tag/loss_1, ..."""
+        if self.writer is None:
+            return
+        for name, value in metrics.items():
+            for j, v in (enumerate(value) if isinstance(value, list) else [(None, value)]):
+                self.writer.add_scalar(f"{tag}/{name}" + (f"_{j}" if j is not None else ""), v, step)
+
+    def flush(self):
+        if self.writer is not None:
+            self.writer.flush()
+
+    def close(self):
+        if self.writer is not None:
+            self.writer.close()
+
+
 # --------------------------------------------------------------------------- entry point
 
 
@@ -484,6 +518,7 @@ def train(config: TrainConfig, world: World) -> TrainResult:
         if world.main:
             print(f"resumed from {ckpt} at step {state['step']} (epoch {state['epoch']}, sample {state['cursor']})")
     log = open(out / "metrics.jsonl" if world.main else os.devnull, "a")  # only rank 0 writes files
+    tb = Scalars(out, world, state["step"])
     bar = Progress(total, "train", unit="step") if world.main else None
     if bar:
         bar.update(state["step"])
@@ -503,15 +538,18 @@ def train(config: TrainConfig, world: World) -> TrainResult:
             loop_seconds += seconds
             s = summarize(stats)
             log.write(json.dumps({"step": state["step"], "lr": sched.get_last_lr()[0], **s}) + "\n")
+            tb.add("train", {**s, "lr": sched.get_last_lr()[0], "tokens_per_s": tokens / seconds}, state["step"])
             if bar:
                 bar.update(1, tokens=tokens, loss=s["loss"][0], acc0=s["acc"][0], tau=s["accept_length"])
             if state["step"] % config.save_every == 0:
                 log.flush()
+                tb.flush()
                 save_checkpoint(ckpt, drafter, opt, sched, state, world)
         else:
             metrics = evaluate(model, data, eval_idx, config, featurize, world)
             state.update(epoch=state["epoch"] + 1, cursor=0)
             log.write(json.dumps({"epoch": state["epoch"], "eval": metrics}) + "\n")
+            tb.add("eval", metrics, state["step"])
             if world.main:
                 print(f"epoch {state['epoch']}: held-out acc {[round(a, 3) for a in metrics.get('acc', [])]} "
                       f"accept length {metrics.get('accept_length', float('nan')):.2f}")
@@ -520,6 +558,8 @@ def train(config: TrainConfig, world: World) -> TrainResult:
     log.close()
     save_checkpoint(ckpt, drafter, opt, sched, state, world)
     final = evaluate(model, data, eval_idx, config, featurize, world)
+    tb.add("eval", final, state["step"])
+    tb.close()
     plain = unsharded(drafter, config, world)
     if world.main:
         save_trained(plain.eval(), out / "drafter", {"path": target.path, "spec": config.target, "hf_config": target.hf_config})

@@ -1,4 +1,5 @@
 import json
+import sys
 
 import pytest
 import torch
@@ -170,3 +171,23 @@ def test_online_and_offline_training_agree(rows_per_pack, tiny_target_dir, tiny_
     for a, b in zip(on.eval["loss"], off.eval["loss"]):
         assert abs(a - b) < 0.02 * max(abs(b), 1.0)
 
+
+def test_tensorboard_scalars(tiny_target_dir, tiny_hidden, tmp_path):
+    pytest.importorskip("torch.utils.tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    result = run(TrainConfig(target=str(tiny_target_dir), data=str(tiny_hidden), out=str(tmp_path), draft_vocab_size=128,
+                             ttt_depth=2, batch_tokens=256, eval_fraction=0.25))
+    events = EventAccumulator(str(tmp_path / "tb")).Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/loss_0", "train/loss_1", "train/acc_1", "train/accept_length", "train/lr", "train/tokens_per_s",
+            "eval/loss_1", "eval/acc_0", "eval/accept_length"} <= tags
+    assert [e.step for e in events.Scalars("train/loss_0")] == list(range(1, result.steps + 1))
+
+
+def test_training_without_tensorboard_says_so_once(tiny_target_dir, tiny_hidden, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails as when it is not installed
+    run(TrainConfig(target=str(tiny_target_dir), data=str(tiny_hidden), out=str(tmp_path), draft_vocab_size=128,
+                    ttt_depth=2, batch_tokens=256, eval_fraction=0.25, max_steps=1))
+    assert capsys.readouterr().out.count("tensorboard is not installed") == 1
+    assert not (tmp_path / "tb").exists()
