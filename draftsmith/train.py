@@ -2,16 +2,22 @@
 
 Offline, the hidden states come from extract's shards; online (`--online`, `--data` is
 generate's answers.jsonl) the frozen target runs in the loop on each packed batch, so nothing
-touches the disk. Samples are packed into rows ("packs") of `batch_tokens` (no padding), the drafter is
-unrolled `ttt_depth` steps (draft.py), and each step's output is scored against the target's
-own distribution over the draft vocab, recomputed from the stored final hidden state with the
-frozen target head (REFERENCE.md §2):
+touches the disk. Samples are packed greedily into rows of at most `batch_tokens`, and
+`rows_per_pack` consecutive rows make a pack: one (B, T) batch, T its longest row, the shorter
+rows padded with a segment of their own that no sample attends to and nothing scores. The
+drafter is unrolled `ttt_depth` steps (draft.py), and each step's output is scored against the
+target's own distribution over the draft vocab, recomputed from the stored final hidden state
+with the frozen target head (REFERENCE.md §2):
 
     loss = sum_j 0.8^j * KL(softmax(z_target[t+1+j] | draft vocab) || q_j[t])  on assistant tokens
 
-acc_j is agreement with the target's greedy token and the simulated accept length is
-1 + sum_k prod_{i<=k} acc_i. Checkpoints hold model, optimizer, scheduler, step, data
-position and RNG state, written atomically; rerunning the same command resumes exactly.
+each step's KL the mean over its scored tokens in the whole pack. A step scoring more than
+`loss_chunk_tokens` tokens computes its loss in checkpointed chunks, so the (tokens, Vd) logits
+of a whole pack never exist at once. acc_j is agreement with the target's greedy token and the
+simulated accept length is 1 + sum_k prod_{i<=k} acc_i; rank 0 logs them per step to
+metrics.jsonl and, when tensorboard is installed (the `tb` extra), under <out>/tb. Checkpoints
+hold model, optimizer, scheduler, step, data position and RNG state, written atomically;
+rerunning the same command resumes exactly.
 
     python -m draftsmith train --target smollm2-135m --data runs/hs --out runs/draft
 
@@ -35,12 +41,14 @@ import os
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
+from torch.utils.checkpoint import checkpoint
 
 from draftsmith.common import Progress, dtype_of, write_config
 from draftsmith.data import encode_conversation
@@ -70,8 +78,11 @@ class TrainConfig:
     warmup_ratio: float = 0.015
     weight_decay: float = 0.0
     grad_clip: float = 0.5
-    batch_tokens: int = 4096  # packed tokens per pack; a step takes world size x grad_accum packs
+    batch_tokens: int = 4096  # packed tokens per row
+    rows_per_pack: int = 1  # rows per pack, one (rows, <= batch_tokens) batch; a step takes world size x grad_accum packs
     grad_accum: int = 1  # packs per rank per optimizer step
+    loss_chunk_tokens: int = 4096  # a TTT step scoring more tokens computes its draft-vocab loss in
+    # checkpointed chunks of this many (no (tokens, Vd) logits over the whole pack); 0: never chunk
     parallel: str = "ddp"  # under torchrun: "ddp" or "fsdp" (FSDP2 fully_shard)
     eval_fraction: float = 0.05
     save_every: int = 100  # optimizer steps between checkpoints
@@ -89,6 +100,8 @@ class TrainConfig:
             raise ValueError("eval_fraction must be in [0, 1)")
         if self.grad_accum < 1 or self.parallel not in ("ddp", "fsdp"):
             raise ValueError("need grad_accum >= 1 and parallel in ('ddp', 'fsdp')")
+        if self.rows_per_pack < 1 or self.loss_chunk_tokens < 0:
+            raise ValueError("need rows_per_pack >= 1 and loss_chunk_tokens >= 0")
 
 
 @dataclass
@@ -113,16 +126,26 @@ def split(ids: list[str], eval_fraction: float, seed: int) -> tuple[list[int], l
     return [canon[i] for i in sorted(order[k:])], [canon[i] for i in sorted(order[:k])]
 
 
-def pack(samples: list[dict], device) -> dict:
-    """Concatenate samples into one (1, T) row with segment and position ids."""
-    cat = {k: torch.cat([s[k] for s in samples])[None].to(device) for k in samples[0]}
-    cat["segment_ids"] = torch.cat([torch.full((len(s["input_ids"]),), i) for i, s in enumerate(samples)])[None].to(device)
-    cat["position_ids"] = torch.cat([torch.arange(len(s["input_ids"])) for s in samples])[None].to(device)
-    return cat
+def pack(rows: list[list[dict]], device) -> dict:
+    """B rows of concatenated samples -> (B, T) tensors with segment and position ids, T the
+    longest row. Shorter rows are padded with segment id -1, loss mask 0 and position 0: no
+    sample attends to padding (segments differ) and no padded token is scored (loss mask)."""
+    cat = [{k: torch.cat([s[k] for s in row]) for k in row[0]} for row in rows]
+    for c, row in zip(cat, rows):
+        c["segment_ids"] = torch.cat([torch.full((len(s["input_ids"]),), i) for i, s in enumerate(row)])
+        c["position_ids"] = torch.cat([torch.arange(len(s["input_ids"])) for s in row])
+    T = max(len(c["input_ids"]) for c in cat)
+    out = {}
+    for k, v in cat[0].items():
+        t = torch.full((len(cat), T, *v.shape[1:]), -1 if k == "segment_ids" else 0, dtype=v.dtype)  # (B, T, ...)
+        for b, c in enumerate(cat):
+            t[b, :len(c[k])] = c[k]
+        out[k] = t.to(device)
+    return out
 
 
-def batches(data: HiddenStates, indices: list[int], batch_tokens: int, start: int = 0):
-    """Greedy packing in the given order; yields (next cursor, packed samples)."""
+def greedy_rows(data: HiddenStates, indices: list[int], batch_tokens: int, start: int = 0):
+    """Greedy packing into rows of at most batch_tokens, in the given order; yields (next cursor, samples)."""
     i = start
     while i < len(indices):
         group, n = [], 0
@@ -136,15 +159,26 @@ def batches(data: HiddenStates, indices: list[int], batch_tokens: int, start: in
         yield i, group
 
 
-def steps(data, indices: list[int], batch_tokens: int, start: int, packs_per_step: int):
+def grouped(it, k: int):
+    """(cursor, item) pairs in groups of k (the last may be short); yields (cursor after the group, items)."""
+    while chunk := list(islice(it, k)):
+        yield chunk[-1][0], [x for _, x in chunk]
+
+
+def batches(data, indices: list[int], batch_tokens: int, rows_per_pack: int = 1, start: int = 0):
+    """Packs of rows_per_pack consecutive rows; yields (next cursor, rows). A pack is what one
+    forward takes, as a (rows_per_pack, <= batch_tokens) batch (pack())."""
+    return grouped(greedy_rows(data, indices, batch_tokens, start), rows_per_pack)
+
+
+def steps(data, indices: list[int], batch_tokens: int, start: int, packs_per_step: int, rows_per_pack: int = 1):
     """The global pack sequence cut into optimizer steps; yields (cursor after the step, packs).
     Every rank computes the same sequence, so the cursor means the same at any world size."""
-    it = batches(data, indices, batch_tokens, start)
-    while True:
-        chunk = [cg for _, cg in zip(range(packs_per_step), it)]
-        if not chunk:
-            return
-        yield chunk[-1][0], [g for _, g in chunk]
+    return grouped(batches(data, indices, batch_tokens, rows_per_pack, start), packs_per_step)
+
+
+def pack_tokens(p: list[list[dict]]) -> int:
+    return sum(len(s["input_ids"]) for row in p for s in row)
 
 
 class Conversations:
@@ -168,51 +202,80 @@ class Conversations:
 
 @torch.no_grad()
 def target_features(model, batch: dict, aux_layers) -> dict:
-    """The target over a packed row, each sample attending only to itself: aux, final, argmax."""
+    """The target over a packed (B, T) batch, each sample attending only to itself: aux, final, argmax."""
     ids, seg, pos = batch["input_ids"].long(), batch["segment_ids"], batch["position_ids"]
-    T = ids.shape[1]
-    model.setup_caches(1, T)
-    mask = torch.zeros(T, model.max_len, dtype=torch.bool, device=ids.device)  # the cache may be longer than T
-    mask[:, :T] = (seg[0][:, None] == seg[0][None, :]) & torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()
-    out = model(ids, torch.arange(T, device=ids.device), mask[None, None], pos, capture=aux_layers)
-    argmax = torch.cat([model.logits(h).argmax(-1) for h in out.hidden.split(1024, dim=1)], dim=1)
+    B, T = ids.shape
+    model.setup_caches(B, T)
+    mask = torch.zeros(B, T, model.max_len, dtype=torch.bool, device=ids.device)  # the cache may be longer than T
+    mask[..., :T] = (seg[:, :, None] == seg[:, None, :]) & torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()
+    out = model(ids, torch.arange(T, device=ids.device), mask[:, None], pos, capture=aux_layers)
+    # the (tokens, V) logits a chunk at a time, whatever B is
+    argmax = torch.cat([model.logits(h).argmax(-1) for h in out.hidden.flatten(0, 1).split(1024)]).view(B, T)
     return {"aux": out.aux, "final": out.hidden, "argmax": argmax}
 
 
 # --------------------------------------------------------------------------- objective
 
 
-def ttt_loss(drafter: Eagle3Drafter, head: torch.Tensor, batch: dict, depth: int):
-    """Weighted TTT loss plus per-step (loss_j, acc_j, count_j). head: (Vd, H) target rows."""
+def scored(segment_ids: torch.Tensor, loss_mask: torch.Tensor, depth: int) -> torch.Tensor:
+    """(depth, B, T) bool: step j scores row t against the target at t+1+j (which predicts token
+    t+2+j) when t, t+1+j and t+2+j lie in one sample and token t+2+j is an assistant token."""
+    B, T = segment_ids.shape
+    out = torch.zeros(depth, B, T, dtype=torch.bool, device=segment_ids.device)
+    for j in range(min(depth, T - 2)):
+        n, s = T - 2 - j, segment_ids
+        out[j, :, :n] = (s[:, :n] == s[:, 1 + j:T - 1]) & (s[:, 1 + j:T - 1] == s[:, 2 + j:]) & loss_mask[:, 2 + j:]
+    return out
+
+
+def chunk_kl(drafter: Eagle3Drafter, head: torch.Tensor, hidden: torch.Tensor, final: torch.Tensor):
+    """Forward KL(target || draft) of each of n rows, and the draft's greedy ids. hidden: (n, H)
+    draft outputs; final: (n, H) the target's final states they are scored against."""
+    q = drafter.logits(hidden)  # (n, Vd)
+    with torch.no_grad():
+        log_p = F.log_softmax((final.to(head.dtype) @ head.T).float(), dim=-1)  # (n, Vd)
+    # the soft cross-entropy minus the target's entropy (same gradient, 0 when matched)
+    return (log_p.exp() * (log_p - F.log_softmax(q, dim=-1))).sum(-1), q.argmax(-1)  # (n,), (n,)
+
+
+def step_kl(drafter: Eagle3Drafter, head: torch.Tensor, hidden: torch.Tensor, final: torch.Tensor, chunk: int | None):
+    """chunk_kl over all n rows of a step; past `chunk` rows (None or 0: never), `chunk` at a time under
+    activation checkpointing, so backward recomputes each chunk's (chunk, Vd) logits instead of keeping them."""
+    if not chunk or len(hidden) <= chunk:
+        return chunk_kl(drafter, head, hidden, final)
+    if torch.is_grad_enabled():
+        parts = [checkpoint(chunk_kl, drafter, head, h, f, use_reentrant=False, preserve_rng_state=False)
+                 for h, f in zip(hidden.split(chunk), final.split(chunk))]
+    else:  # evaluation: no graph keeps a chunk alive
+        parts = [chunk_kl(drafter, head, h, f) for h, f in zip(hidden.split(chunk), final.split(chunk))]
+    return torch.cat([kl for kl, _ in parts]), torch.cat([ids for _, ids in parts])
+
+
+def ttt_loss(drafter: Eagle3Drafter, head: torch.Tensor, batch: dict, depth: int, chunk_tokens: int | None = None):
+    """Weighted TTT loss plus per-step (loss_j, acc_j, count_j) over a packed (B, T) batch; loss_j
+    is the mean over the step's scored tokens in all B rows. head: (Vd, H) target rows. chunk_tokens
+    bounds the scored tokens whose (n, Vd) logits exist at once (step_kl)."""
     ids = batch["input_ids"].long()
-    T = ids.shape[1]
     dtype = drafter.fc.weight.dtype
     outs = drafter.ttt(ids, batch["aux"].to(dtype), depth, batch["position_ids"], batch["segment_ids"])
-    with torch.no_grad():
-        target_logits = (batch["final"].to(head.dtype) @ head.T).float()  # (1, T, Vd)
-    seg, mask, argmax = batch["segment_ids"], batch["loss_mask"].bool(), batch["argmax"].long()
-    total, stats = 0.0, []
-    for j, h in enumerate(outs):
-        n = T - 1 - j  # row t is scored against the target at t+1+j, which predicts token t+2+j
-        if n <= 1:
-            stats.append((0.0, 0.0, 0))
+    where = scored(batch["segment_ids"], batch["loss_mask"].bool(), depth).flatten(1)  # (depth, B*T)
+    hit = where.nonzero()  # (N, 2): (step, flat row), steps in order
+    counts = torch.bincount(hit[:, 0], minlength=depth).tolist()
+    final, argmax = batch["final"].flatten(0, 1), batch["argmax"].long().flatten()  # (B*T, H), (B*T,)
+    total, losses, accs = 0.0, [], []
+    for j, (h, r) in enumerate(zip(outs, hit[:, 1].split(counts))):
+        if not len(r):
+            losses.append(torch.zeros((), device=ids.device))
+            accs.append(torch.zeros((), device=ids.device))
             continue
-        nxt = torch.arange(1 + j, T, device=ids.device)
-        rows = torch.arange(n, device=ids.device)
-        pred_tok = torch.clamp(nxt + 1, max=T - 1)
-        valid = (seg[0, rows] == seg[0, nxt]) & (seg[0, pred_tok] == seg[0, nxt]) & (nxt + 1 < T) & mask[0, pred_tok]
-        if not valid.any():
-            stats.append((0.0, 0.0, 0))
-            continue
-        q = drafter.logits(h[0, rows[valid]])  # (n', Vd)
-        log_p = F.log_softmax(target_logits[0, nxt[valid]], dim=-1)
-        # forward KL: the soft cross-entropy minus the target's entropy (same gradient, 0 when matched)
-        loss_j = (log_p.exp() * (log_p - F.log_softmax(q, dim=-1))).sum(-1).mean()
-        with torch.no_grad():
-            acc = (drafter.to_target(q.argmax(-1)) == argmax[0, nxt[valid]]).float().mean()
+        nxt = r + 1 + j  # the scored rows never cross a row of the batch (scored())
+        kl, pred = step_kl(drafter, head, h.flatten(0, 1)[r], final[nxt], chunk_tokens)  # (n,), (n,)
+        loss_j = kl.mean()
         total = total + STEP_DECAY**j * loss_j
-        stats.append((float(loss_j.detach()), float(acc), int(valid.sum())))
-    return total, stats
+        losses.append(loss_j.detach())
+        accs.append((drafter.to_target(pred) == argmax[nxt]).float().mean())
+    loss_acc = torch.stack([torch.stack(losses), torch.stack(accs)]).tolist()  # one host sync for all steps
+    return total, list(zip(*loss_acc, counts))
 
 
 def accept_length(accs: list[float]) -> float:
@@ -239,12 +302,14 @@ class TTTObjective(nn.Module):
     batch None stands in for a rank with no pack left in a step; like a pack with no scored
     token it gives a zero loss over every trainable weight, so that backward's collectives line up."""
 
-    def __init__(self, drafter: Eagle3Drafter, head: torch.Tensor, depth: int):
+    def __init__(self, drafter: Eagle3Drafter, head: torch.Tensor, depth: int, chunk_tokens: int | None = None):
         super().__init__()
         self.drafter, self.head, self.depth = drafter, head, depth  # head: frozen (Vd, H), not a weight
+        self.chunk_tokens = chunk_tokens
 
     def forward(self, batch: dict | None):
-        loss, stats = ttt_loss(self.drafter, self.head, batch, self.depth) if batch is not None else (0.0, [])
+        loss, stats = (ttt_loss(self.drafter, self.head, batch, self.depth, self.chunk_tokens) if batch is not None
+                       else (0.0, []))
         if not torch.is_tensor(loss):
             loss = sum(p.sum() for p in self.parameters() if p.requires_grad) * 0.0
         return loss, stats
@@ -280,7 +345,7 @@ def evaluate(model, data, indices, cfg: TrainConfig, featurize, world: World) ->
     in every forward, so ranks that run out pass None)."""
     if not indices:
         return {}
-    packs = [g for _, g in batches(data, indices, cfg.batch_tokens)]
+    packs = [p for _, p in batches(data, indices, cfg.batch_tokens, cfg.rows_per_pack)]
     model.eval()
     mine = []
     for i in range(world.rank, math.ceil(len(packs) / world.size) * world.size, world.size):
@@ -330,16 +395,53 @@ def save_checkpoint(folder: Path, drafter, opt, sched, state: dict, world: World
     barrier(world)
 
 
-def load_checkpoint(folder: Path, opt, sched, packs_per_step: int) -> dict:
+def load_checkpoint(folder: Path, opt, sched, packs_per_step: int, rows_per_pack: int) -> dict:
     """Optimizer, scheduler and RNG (the weights were loaded before parallelize); returns the rest."""
-    state = {"packs_per_step": 1, **torch.load(folder / "state.pt", weights_only=True)}  # before #6: one pack a step
+    # older checkpoints: one pack a step (before #6), one row a pack
+    state = {"packs_per_step": 1, "rows_per_pack": 1, **torch.load(folder / "state.pt", weights_only=True)}
     if state["packs_per_step"] != packs_per_step:
         raise ValueError(f"{folder} was written with {state['packs_per_step']} packs per step (processes x grad_accum), "
                          f"this run takes {packs_per_step}; resume with the same product")
+    if state["rows_per_pack"] != rows_per_pack:
+        raise ValueError(f"{folder} was written with rows_per_pack {state['rows_per_pack']}, not {rows_per_pack}: "
+                         "another schedule; resume with the same value")
     load_optimizer_state(opt, state.pop("optimizer"))
     sched.load_state_dict(state.pop("scheduler"))
     torch.set_rng_state(state.pop("rng"))
     return state
+
+
+class Scalars:
+    """TensorBoard scalars under <out>/tb, written by rank 0 when tensorboard is installed; on
+    other ranks, or without it, every call does nothing. A run resumed at `step` hides the
+    events that the interrupted one logged past it."""
+
+    def __init__(self, out: Path, world: World, step: int):
+        self.writer = None
+        if not world.main:
+            return
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            print("tensorboard is not installed (pip install 'draftsmith[tb]'): no TensorBoard logs")
+            return
+        self.writer = SummaryWriter(str(out / "tb"), purge_step=step + 1 if step else None)
+
+    def add(self, tag: str, metrics: dict, step: int):
+        """Lists (loss, acc) become one curve per TTT step: tag/loss_0, tag/loss_1, ..."""
+        if self.writer is None:
+            return
+        for name, value in metrics.items():
+            for j, v in (enumerate(value) if isinstance(value, list) else [(None, value)]):
+                self.writer.add_scalar(f"{tag}/{name}" + (f"_{j}" if j is not None else ""), v, step)
+
+    def flush(self):
+        if self.writer is not None:
+            self.writer.flush()
+
+    def close(self):
+        if self.writer is not None:
+            self.writer.close()
 
 
 # --------------------------------------------------------------------------- entry point
@@ -402,20 +504,21 @@ def train(config: TrainConfig, world: World) -> TrainResult:
     resuming = (ckpt / "state.pt").exists()
     if resuming:
         drafter.load_state_dict(load_file(str(ckpt / "model.safetensors")))
-    model = parallelize(TTTObjective(drafter, head, config.ttt_depth), config.parallel, world)
+    model = parallelize(TTTObjective(drafter, head, config.ttt_depth, config.loss_chunk_tokens), config.parallel, world)
     params = [p for p in drafter.parameters() if p.requires_grad]  # after parallelize: FSDP swaps them
     opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95))
     per_step = world.size * config.grad_accum
-    steps_per_epoch = math.ceil(sum(1 for _ in batches(data, train_idx, config.batch_tokens)) / per_step)
+    steps_per_epoch = math.ceil(sum(1 for _ in batches(data, train_idx, config.batch_tokens, config.rows_per_pack)) / per_step)
     total = config.schedule_steps or steps_per_epoch * config.epochs
     epochs = math.ceil(total / steps_per_epoch)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total, max(1, int(total * config.warmup_ratio))))
-    state = {"step": 0, "epoch": 0, "cursor": 0, "packs_per_step": per_step}
+    state = {"step": 0, "epoch": 0, "cursor": 0, "packs_per_step": per_step, "rows_per_pack": config.rows_per_pack}
     if resuming:
-        state = load_checkpoint(ckpt, opt, sched, per_step)
+        state = load_checkpoint(ckpt, opt, sched, per_step, config.rows_per_pack)
         if world.main:
             print(f"resumed from {ckpt} at step {state['step']} (epoch {state['epoch']}, sample {state['cursor']})")
     log = open(out / "metrics.jsonl" if world.main else os.devnull, "a")  # only rank 0 writes files
+    tb = Scalars(out, world, state["step"])
     bar = Progress(total, "train", unit="step") if world.main else None
     if bar:
         bar.update(state["step"])
@@ -424,26 +527,29 @@ def train(config: TrainConfig, world: World) -> TrainResult:
     loop_seconds = 0.0
     while state["epoch"] < epochs and state["step"] < limit:
         order = [train_idx[i] for i in torch.randperm(len(train_idx), generator=torch.Generator().manual_seed(config.seed + state["epoch"]))]
-        for cursor, packs in steps(data, order, config.batch_tokens, state["cursor"], per_step):
+        for cursor, packs in steps(data, order, config.batch_tokens, state["cursor"], per_step, config.rows_per_pack):
             if state["step"] >= limit:
                 break
             t_step = time.perf_counter()
             stats = train_step(model, params, opt, packs, config, world, featurize)
             sched.step()
             state.update(step=state["step"] + 1, cursor=cursor)
-            loop_seconds += time.perf_counter() - t_step
+            seconds, tokens = time.perf_counter() - t_step, sum(pack_tokens(p) for p in packs)
+            loop_seconds += seconds
             s = summarize(stats)
             log.write(json.dumps({"step": state["step"], "lr": sched.get_last_lr()[0], **s}) + "\n")
+            tb.add("train", {**s, "lr": sched.get_last_lr()[0], "tokens_per_s": tokens / seconds}, state["step"])
             if bar:
-                bar.update(1, tokens=sum(len(x["input_ids"]) for g in packs for x in g), loss=s["loss"][0],
-                           acc0=s["acc"][0], tau=s["accept_length"])
+                bar.update(1, tokens=tokens, loss=s["loss"][0], acc0=s["acc"][0], tau=s["accept_length"])
             if state["step"] % config.save_every == 0:
                 log.flush()
+                tb.flush()
                 save_checkpoint(ckpt, drafter, opt, sched, state, world)
         else:
             metrics = evaluate(model, data, eval_idx, config, featurize, world)
             state.update(epoch=state["epoch"] + 1, cursor=0)
             log.write(json.dumps({"epoch": state["epoch"], "eval": metrics}) + "\n")
+            tb.add("eval", metrics, state["step"])
             if world.main:
                 print(f"epoch {state['epoch']}: held-out acc {[round(a, 3) for a in metrics.get('acc', [])]} "
                       f"accept length {metrics.get('accept_length', float('nan')):.2f}")
@@ -452,6 +558,8 @@ def train(config: TrainConfig, world: World) -> TrainResult:
     log.close()
     save_checkpoint(ckpt, drafter, opt, sched, state, world)
     final = evaluate(model, data, eval_idx, config, featurize, world)
+    tb.add("eval", final, state["step"])
+    tb.close()
     plain = unsharded(drafter, config, world)
     if world.main:
         save_trained(plain.eval(), out / "drafter", {"path": target.path, "spec": config.target, "hf_config": target.hf_config})

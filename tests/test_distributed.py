@@ -25,10 +25,11 @@ TOL = 1e-5
 
 
 def common(tiny_target_dir, tiny_hidden) -> dict:
-    """9 training samples in 5 packs of <= 2: each epoch ends on a step of one pack, where rank 1
-    has nothing to train on (and 3 held-out samples in 2 packs, so evaluation is uneven too)."""
+    """9 training samples (of < 96 tokens) in 5 packs of <= 2 rows of one: each epoch ends on a
+    step of one pack, where rank 1 has nothing to train on (and 3 held-out samples in 2 packs, so
+    evaluation is uneven too). Each TTT step's loss runs in checkpointed chunks of 16 tokens."""
     return dict(target=str(tiny_target_dir), data=str(tiny_hidden), draft_vocab_size=128, ttt_depth=2, epochs=2,
-                batch_tokens=192, lr=1e-3, save_every=2, eval_fraction=0.25)
+                batch_tokens=96, rows_per_pack=2, loss_chunk_tokens=16, lr=1e-3, save_every=2, eval_fraction=0.25)
 
 
 def free_port() -> int:

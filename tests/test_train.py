@@ -1,5 +1,7 @@
 import json
+import sys
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -9,13 +11,34 @@ from draftsmith.train import (TrainConfig, accept_length, batches, build_drafter
 from draftsmith.target import load_target
 
 
-def test_ttt_loss_falls_when_overfitting_one_batch(tiny_target_dir, tiny_hidden):
+def drafter_and_head(tiny_target_dir, tiny_hidden, vocab: int = 128, depth: int = 3):
     target = load_target(str(tiny_target_dir))
     data = HiddenStates(tiny_hidden)
-    cfg = TrainConfig(target=str(tiny_target_dir), data=str(tiny_hidden), out="unused", draft_vocab_size=128, ttt_depth=3)
+    cfg = TrainConfig(target=str(tiny_target_dir), data=str(tiny_hidden), out="unused", draft_vocab_size=vocab, ttt_depth=depth)
     drafter, _ = build_drafter(cfg, target, data, list(range(len(data))), (0, 1, 2))
-    head = target.model.lm_head.weight[drafter.to_target(torch.arange(128))]
-    batch = pack([data[0], data[1]], "cpu")
+    return drafter, target.model.lm_head.weight[drafter.to_target(torch.arange(vocab))].detach(), data
+
+
+def loss_and_grads(drafter, head, batch, depth, chunk_tokens=None):
+    drafter.zero_grad(set_to_none=True)
+    loss, stats = ttt_loss(drafter, head, batch, depth, chunk_tokens)
+    loss.backward()
+    return loss.detach(), stats, {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}
+
+
+def assert_same_step(a, b):
+    (loss_a, stats_a, grads_a), (loss_b, stats_b, grads_b) = a, b
+    assert torch.allclose(loss_a, loss_b, rtol=1e-5)
+    assert [n for _, _, n in stats_a] == [n for _, _, n in stats_b] and all(n > 0 for _, _, n in stats_a)
+    assert all(abs(x - y) < 1e-5 for sa, sb in zip(stats_a, stats_b) for x, y in zip(sa[:2], sb[:2]))
+    assert grads_a.keys() == grads_b.keys()
+    for k in grads_a:
+        assert torch.allclose(grads_a[k], grads_b[k], rtol=1e-4, atol=1e-6), k
+
+
+def test_ttt_loss_falls_when_overfitting_one_batch(tiny_target_dir, tiny_hidden):
+    drafter, head, data = drafter_and_head(tiny_target_dir, tiny_hidden)
+    batch = pack([[data[0], data[1]]], "cpu")
     opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=3e-3)
     first = None
     for _ in range(40):
@@ -29,9 +52,11 @@ def test_ttt_loss_falls_when_overfitting_one_batch(tiny_target_dir, tiny_hidden)
     assert stats[0][1] > max(0.75, first_acc + 0.3)  # step-0 agreement with the target's greedy token
 
 
-def test_resumed_run_matches_an_uninterrupted_one(tiny_target_dir, tiny_hidden, tmp_path):
+@pytest.mark.parametrize("rows_per_pack, loss_chunk_tokens", [(1, 4096), (3, 32)])
+def test_resumed_run_matches_an_uninterrupted_one(rows_per_pack, loss_chunk_tokens, tiny_target_dir, tiny_hidden, tmp_path):
     common = dict(target=str(tiny_target_dir), data=str(tiny_hidden), draft_vocab_size=128, ttt_depth=2,
-                  epochs=2, batch_tokens=128, lr=1e-3, save_every=2, eval_fraction=0.2)
+                  epochs=2, batch_tokens=128, lr=1e-3, save_every=2, eval_fraction=0.2, rows_per_pack=rows_per_pack,
+                  loss_chunk_tokens=loss_chunk_tokens)
     full = run(TrainConfig(out=str(tmp_path / "full"), **common))
     part = run(TrainConfig(out=str(tmp_path / "part"), max_steps=5, **common))  # "crash" after 5 steps
     assert part.steps == 5 < full.steps
@@ -43,22 +68,76 @@ def test_resumed_run_matches_an_uninterrupted_one(tiny_target_dir, tiny_hidden, 
     assert resumed.eval == full.eval
     steps = [json.loads(l)["step"] for l in (tmp_path / "part" / "metrics.jsonl").read_text().splitlines() if "step" in json.loads(l)]
     assert steps == list(range(1, full.steps + 1))  # every step logged exactly once
+    if rows_per_pack > 1:  # packs of another size are another schedule
+        with pytest.raises(ValueError, match="rows_per_pack"):
+            run(TrainConfig(out=str(tmp_path / "part"), **{**common, "rows_per_pack": 1}))
 
 
-def test_steps_cut_the_global_pack_sequence(tiny_hidden):
+@pytest.mark.parametrize("rows_per_pack, tokens", [(1, 192), (2, 96)])
+def test_steps_cut_the_global_pack_sequence(rows_per_pack, tokens, tiny_hidden):
     """A step of W x grad_accum packs takes the next packs of the one global sequence, and its
-    cursor resumes exactly after them, whatever W x grad_accum is."""
+    cursor resumes exactly after them, whatever W x grad_accum is; a pack is rows_per_pack
+    consecutive rows of the one greedy packing."""
     data = HiddenStates(tiny_hidden)
     order = torch.randperm(len(data), generator=torch.Generator().manual_seed(0)).tolist()
-    packs = list(batches(data, order, 192))
-    ids = [[s["input_ids"].tolist() for s in g] for _, g in packs]
+    one_row = [[s["input_ids"].tolist() for s in row] for _, [row] in batches(data, order, tokens)]
+    packs = list(batches(data, order, tokens, rows_per_pack))
+    ids = [[[s["input_ids"].tolist() for s in row] for row in p] for _, p in packs]
+    assert [row for p in ids for row in p] == one_row
+    assert all(len(p) == rows_per_pack for p in ids[:-1])
     for per_step in (1, 2, 3):
-        grouped = list(steps(data, order, 192, 0, per_step))
-        assert [[s["input_ids"].tolist() for g in gs for s in g] for _, gs in grouped] == \
-            [[x for g in ids[i:i + per_step] for x in g] for i in range(0, len(ids), per_step)]
+        grouped = list(steps(data, order, tokens, 0, per_step, rows_per_pack))
+        assert [[[s["input_ids"].tolist() for s in row] for row in p] for _, ps in grouped for p in ps] == ids
+        assert [len(ps) for _, ps in grouped] == [min(per_step, len(ids) - i) for i in range(0, len(ids), per_step)]
         assert [c for c, _ in grouped] == [packs[min(i + per_step, len(packs)) - 1][0] for i in range(0, len(packs), per_step)]
-        rest = list(steps(data, order, 192, grouped[1][0], per_step))
+        rest = list(steps(data, order, tokens, grouped[1][0], per_step, rows_per_pack))
         assert [c for c, _ in rest] == [c for c, _ in grouped[2:]]
+
+
+def test_packed_rows_match_one_concatenated_row(tiny_target_dir, tiny_hidden):
+    """A (3, T) pack of rows padded to the longest scores and trains like the same samples
+    concatenated into one row: the same loss, per-step stats and gradients, up to float rounding."""
+    drafter, head, data = drafter_and_head(tiny_target_dir, tiny_hidden)
+    samples = [data[i] for i in range(6)]
+    samples[1] = {k: v[:40] for k, v in samples[1].items()}  # rows of unequal length
+    rows = [samples[:2], samples[2:3], samples[3:]]
+    one, batched = pack([samples], "cpu"), pack(rows, "cpu")
+    lengths = [sum(len(s["input_ids"]) for s in row) for row in rows]
+    assert batched["input_ids"].shape == (3, max(lengths))
+    for b, n in enumerate(lengths):  # padding: its own segment, never scored, position 0
+        assert (batched["segment_ids"][b, n:] == -1).all() and (batched["segment_ids"][b, :n] >= 0).all()
+        assert not batched["loss_mask"][b, n:].any() and not batched["position_ids"][b, n:].any()
+    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(5):  # move off the initial drafter, so that acc_j is not 0 everywhere
+        loss_and_grads(drafter, head, one, 3)
+        opt.step()
+    a, b = loss_and_grads(drafter, head, one, 3), loss_and_grads(drafter, head, batched, 3)
+    assert any(acc > 0 for _, acc, _ in a[1])
+    assert_same_step(a, b)
+
+
+def test_chunked_loss_matches_one_chunk_and_keeps_no_vocab_sized_tensor(tiny_target_dir, tiny_hidden):
+    """Checkpointed chunks of 16 scored tokens give the loss and gradients of one chunk, and the
+    autograd graph then saves no (tokens, Vd) tensor: backward recomputes them chunk by chunk."""
+    vocab = 100  # no other saved matrix is this wide
+    drafter, head, data = drafter_and_head(tiny_target_dir, tiny_hidden, vocab=vocab)
+    batch = pack([[data[0], data[1]], [data[2]]], "cpu")
+
+    def vocab_sized_saved(chunk_tokens):
+        saved = []
+
+        def keep(t):
+            if t.dim() == 2 and t.shape[1] == vocab:
+                saved.append(tuple(t.shape))
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            result = loss_and_grads(drafter, head, batch, 3, chunk_tokens)
+        return result, saved
+
+    (whole, saved_whole), (chunked, saved_chunked) = vocab_sized_saved(None), vocab_sized_saved(16)
+    assert all(n > 16 for _, _, n in whole[1])  # every step really splits
+    assert saved_whole and not saved_chunked
+    assert_same_step(whole, chunked)
 
 
 def test_simulated_accept_length():
@@ -72,19 +151,43 @@ def test_online_features_equal_extracted_ones(tiny_target_dir, tiny_hidden):
     target = load_target(str(tiny_target_dir))
     data = HiddenStates(tiny_hidden)
     samples = [data[3], data[4], data[5]]
-    packed = pack([{k: s[k] for k in ("input_ids", "loss_mask")} for s in samples], "cpu")
-    online = target_features(target.model, packed, (0, 1, 2))
-    offline = pack(samples, "cpu")
-    assert (online["aux"] - offline["aux"].float()).abs().max() < 0.05  # offline is stored in bf16
-    assert (online["final"] - offline["final"].float()).abs().max() < 0.05
-    assert (online["argmax"] == offline["argmax"].long()).float().mean() > 0.99
+    for rows in ([samples], [samples[:2], samples[2:]]):  # one row, and a (2, T) pack with a padded row
+        packed = pack([[{k: s[k] for k in ("input_ids", "loss_mask")} for s in row] for row in rows], "cpu")
+        online = target_features(target.model, packed, (0, 1, 2))
+        offline = pack(rows, "cpu")
+        real = offline["segment_ids"] >= 0  # padding is computed online, zeros offline
+        assert (online["aux"] - offline["aux"].float())[real].abs().max() < 0.05  # offline is stored in bf16
+        assert (online["final"] - offline["final"].float())[real].abs().max() < 0.05
+        assert (online["argmax"] == offline["argmax"].long())[real].float().mean() > 0.99
 
 
-def test_online_and_offline_training_agree(tiny_target_dir, tiny_answers, tiny_hidden, tmp_path):
+@pytest.mark.parametrize("rows_per_pack", [1, 2])
+def test_online_and_offline_training_agree(rows_per_pack, tiny_target_dir, tiny_answers, tiny_hidden, tmp_path):
     common = dict(target=str(tiny_target_dir), draft_vocab_size=128, ttt_depth=2, epochs=1, batch_tokens=256,
-                  lr=1e-3, eval_fraction=0.25)
+                  lr=1e-3, eval_fraction=0.25, rows_per_pack=rows_per_pack)
     off = run(TrainConfig(data=str(tiny_hidden), out=str(tmp_path / "off"), **common))
     on = run(TrainConfig(data=str(tiny_answers), out=str(tmp_path / "on"), online=True, **common))
     assert on.steps == off.steps
     for a, b in zip(on.eval["loss"], off.eval["loss"]):
         assert abs(a - b) < 0.02 * max(abs(b), 1.0)
+
+
+def test_tensorboard_scalars(tiny_target_dir, tiny_hidden, tmp_path):
+    pytest.importorskip("torch.utils.tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    result = run(TrainConfig(target=str(tiny_target_dir), data=str(tiny_hidden), out=str(tmp_path), draft_vocab_size=128,
+                             ttt_depth=2, batch_tokens=256, eval_fraction=0.25))
+    events = EventAccumulator(str(tmp_path / "tb")).Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/loss_0", "train/loss_1", "train/acc_1", "train/accept_length", "train/lr", "train/tokens_per_s",
+            "eval/loss_1", "eval/acc_0", "eval/accept_length"} <= tags
+    assert [e.step for e in events.Scalars("train/loss_0")] == list(range(1, result.steps + 1))
+
+
+def test_training_without_tensorboard_says_so_once(tiny_target_dir, tiny_hidden, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails as when it is not installed
+    run(TrainConfig(target=str(tiny_target_dir), data=str(tiny_hidden), out=str(tmp_path), draft_vocab_size=128,
+                    ttt_depth=2, batch_tokens=256, eval_fraction=0.25, max_steps=1))
+    assert capsys.readouterr().out.count("tensorboard is not installed") == 1
+    assert not (tmp_path / "tb").exists()
