@@ -372,8 +372,9 @@ class Transformer(nn.Module):
                 layer.self_attn.fuse()
                 layer.mlp.fuse()
             if compile_backend:
-                # one compilation per query length, shared by all layers; long prefills stay eager
-                layer.fast = torch.compile(layer.forward, backend=compile_backend, dynamic=False, fullgraph=True)
+                # shared by all layers: one compilation for one-token steps, one with a dynamic query length
+                # for the rest (verify, trees, short prompts); long prefills stay eager
+                layer.fast = torch.compile(layer.forward, backend=compile_backend, fullgraph=True)
         if compile_backend:
             cfg = torch._dynamo.config
             name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
