@@ -24,7 +24,8 @@ import torch
 from draftsmith.common import Progress, dtype_of, write_config
 from draftsmith.data import load_eval, prompt_ids
 from draftsmith.cudagraph import Graphs
-from draftsmith.decode import TreeSpec, decode_chain, decode_chain_sampled, decode_plain, decode_tree, greedy_agreement
+from draftsmith.decode import (TreeSpec, decode_chain, decode_chain_sampled, decode_plain, decode_tree,
+                               decode_tree_sampled, greedy_agreement)
 from draftsmith.target import load_target
 
 
@@ -41,7 +42,7 @@ class BenchConfig:
     topk: int = 4  # tree: children per node and nodes expanded per level
     steps: int = 5  # tree: depth
     num_draft_tokens: int = 16  # tree: nodes verified per cycle
-    temperature: float = 0.0  # > 0: lossless speculative sampling (chain), compared by speed only
+    temperature: float = 0.0  # > 0: lossless speculative sampling (chain or tree), compared by speed only
     top_p: float = 1.0
     seed: int = 0
     warmup: int = 1
@@ -54,8 +55,6 @@ class BenchConfig:
             raise ValueError("draft_tokens, num_prompts and max_new_tokens must be >= 1")
         if self.mode not in ("chain", "tree"):
             raise ValueError(f"mode must be chain or tree, not {self.mode!r}")
-        if self.temperature > 0 and self.mode == "tree":
-            raise ValueError("lossless tree sampling is not implemented yet; use --mode chain with --temperature")
 
 
 @dataclass
@@ -127,6 +126,8 @@ def run(config: BenchConfig) -> BenchResult:
         return decode_plain(model, x, n, target.eos_ids, graphs, config.temperature, config.top_p, gen)
 
     def spec(x, n):
+        if config.temperature > 0 and config.mode == "tree":
+            return decode_tree_sampled(model, drafter, x, n, tree, config.temperature, config.top_p, target.eos_ids, gen)
         if config.temperature > 0:
             return decode_chain_sampled(model, drafter, x, n, k, config.temperature, config.top_p, target.eos_ids, gen)
         if config.mode == "tree":

@@ -121,11 +121,13 @@ def cut_at_eos(tokens: list[int], eos_ids) -> list[int]:
 
 
 @torch.no_grad()
-def prefill(model: Transformer, prompt: torch.Tensor, capture=()):
-    """prompt: (1, T). Returns the first new token and the target's output over the prompt."""
+def prefill(model: Transformer, prompt: torch.Tensor, capture=(), temperature: float = 0.0, top_p: float = 1.0,
+            generator=None):
+    """prompt: (1, T). Returns the first new token (greedy, or sampled at temperature > 0) and the
+    target's output over the prompt."""
     T = prompt.shape[1]
     out = model(prompt, torch.arange(T, device=prompt.device), capture=capture)
-    return model.logits(out.hidden[:, -1]).argmax(-1), out  # (1,), TargetOutput
+    return sample(model.logits(out.hidden[:, -1]), temperature, top_p, generator), out  # (1,), TargetOutput
 
 
 def target_step(model: Transformer, capture=()):
@@ -282,14 +284,18 @@ def speculative_accept(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, g
     px = p[torch.arange(k), drafts]  # (k,)
     qx = q[torch.arange(k), drafts]
     u = torch.rand(k, generator=generator, device=p.device)
-    ok = (u * qx <= px).int()  # u < p/q without dividing by a zero q
+    ok = (u * qx < px).int()  # u < p/q without dividing by a zero q; never accepts where p is 0
     n = int(ok.cumprod(0).sum())
     if n == k:
         return n, torch.multinomial(p[k], 1, generator=generator)
-    residual = (p[n] - q[n]).clamp(min=0)
-    if residual.sum() <= 0:  # p == q exactly: any sample from p is right
-        residual = p[n]
-    return n, torch.multinomial(residual / residual.sum(), 1, generator=generator)
+    return n, torch.multinomial(residual(p[n], q[n]), 1, generator=generator)
+
+
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p - q)): the distribution to sample from once a draft from q was rejected."""
+    left = (p - q).clamp(min=0)
+    total = left.sum()
+    return left / total if total > 0 else p  # p == q exactly: any sample from p is right
 
 
 @torch.no_grad()
@@ -308,8 +314,7 @@ def decode_chain_sampled(model: Transformer, drafter: Eagle3Drafter, prompt: tor
     rows = drafter_rows(drafter)
     sync(dev)
     t0 = time.perf_counter()
-    out = model(prompt, torch.arange(T, device=dev), capture=capture)
-    pending = torch.multinomial(probs(model.logits(out.hidden[0, -1:]), temperature, top_p), 1, generator=generator)[0]
+    pending, out = prefill(model, prompt, capture, temperature, top_p, generator)
     h = drafter(torch.cat([prompt[0, 1:], pending])[None], drafter.fuse(out.aux), torch.arange(T, device=dev))[:, -1:]
     gen = Generation([int(pending)], 0.0, time.perf_counter() - t0)
     pos = torch.tensor([T], device=dev)
@@ -359,9 +364,10 @@ class TreeSpec:
 
 @dataclass
 class DraftTree:
-    tokens: torch.Tensor  # (N,) target ids on the device, parents before children
+    tokens: torch.Tensor  # (N,) target ids on the device, parents before children, siblings in draft order
     parents: torch.Tensor  # (N,) CPU: index of the parent node; -1 for children of the root
     depth: torch.Tensor  # (N,) CPU: 1 for children of the root
+    q: torch.Tensor | None = None  # sampled trees: (N+1, V) root first, the q each node's children were drawn from
 
     def ancestors(self) -> torch.Tensor:
         """(N+1, N+1) bool on the CPU, root at index 0: entry [i, j] when j is i or an ancestor of i."""
@@ -373,33 +379,105 @@ class DraftTree:
                 anc[i + 1] |= anc[p + 1]
         return anc
 
+    def children(self) -> list[list[int]]:
+        """Children of each node (root 0, node i at i + 1), in draft order."""
+        kids: list[list[int]] = [[] for _ in range(len(self.parents) + 1)]
+        for i, p in enumerate(self.parents.tolist()):
+            kids[p + 1].append(i + 1)
+        return kids
 
-def masked_step(net, capture=None):
-    """A target (capture given) or drafter pass at explicit slots under an explicit mask."""
+
+def masked_step(net, capture=None, head=None):
+    """A target (capture given) or drafter pass at explicit slots under an explicit mask. The target's
+    step returns head(logits), greedy tokens by default, and the captured aux."""
     if capture is None:
         return lambda tokens, hidden, slots, mask, rope: net(tokens, hidden, slots, mask, rope)
+    head = head or (lambda logits: logits.argmax(-1))
 
     def step(tokens, slots, mask, rope):
         out = net(tokens, slots, mask, rope, capture=capture)
-        return net.logits(out.hidden[0]).argmax(-1), out.aux
+        return head(net.logits(out.hidden[0])), out.aux
     return step
+
+
+def expand_greedy(logits: torch.Tensor, parent_score: torch.Tensor, k: int):
+    """EAGLE-2: each row's k likeliest children, scored by cumulative draft log-probability.
+    logits: (F, Vd), parent_score: (F,) -> scores (F, k), draft ids (F, k), no q."""
+    score, ids = (parent_score[:, None] + torch.log_softmax(logits, -1)).topk(k, dim=-1)
+    return score, ids, None
+
+
+def expand_sampled(logits: torch.Tensor, parent_score: torch.Tensor, k: int, temperature: float, top_p: float,
+                   generator=None):
+    """Each row's k children sampled without replacement from q = probs(logits) by Gumbel-top-k (the
+    order of the perturbed keys is the sampling order). A child's score is its parent's plus the log
+    of the largest q among tokens not drawn before it, so it never reads the child's own token (see
+    sampled_order); children past q's support score -inf and do not exist.
+    logits: (F, Vd), parent_score: (F,) -> scores (F, k), draft ids (F, k), q (F, Vd)."""
+    q = probs(logits, temperature, top_p)
+    u = torch.rand(q.shape, generator=generator, device=q.device).clamp_(min=torch.finfo(q.dtype).tiny)
+    keys, ids = (q.log() - (-u.log()).log()).topk(k, dim=-1)  # (F, k)
+    left, best = q.clone(), []
+    for i in range(k):
+        best.append(left.amax(-1))
+        left.scatter_(-1, ids[:, i : i + 1], 0.0)
+    score = (parent_score[:, None] + torch.stack(best, -1).log()).cummin(-1).values  # exact monotonicity
+    return score.masked_fill(keys.isneginf(), float("-inf")), ids, q
+
+
+def sampled_order(score: list[float], nodes: range, parents: list[int], depth: list[int], rank: list[int]) -> list[int]:
+    """The existing nodes among `nodes`, best first: score, then shallower, then lexicographic rank path.
+
+    Why selecting by this order keeps sampled verification lossless: rejection sampling over a node's
+    children is exact only if trying its i-th drawn child is decided independently of that child's
+    token and of what was drawn after it, given the children drawn before. Scores never read a
+    node's own token (expand_sampled) and never increase from parent to child or from a child to
+    its next sibling, so every node comes after its ancestors and elder siblings here, and whether
+    it is expanded (best K of its level) or verified (best N) depends only on the nodes before it,
+    never on its own token or on its subtree or younger siblings. Hence the verified children of
+    each node are a prefix of its draw order whose length never depends on their tokens. A prefix
+    alone is not enough: with EAGLE-2's score, log q(x), whether x is tried would depend on x."""
+    def path(i):
+        out = []
+        while i >= 0:
+            out.append(rank[i])
+            i = parents[i]
+        return out[::-1]
+    live = [i for i in nodes if score[i - nodes.start] > float("-inf")]
+    return sorted(live, key=lambda i: (-score[i - nodes.start], depth[i], path(i)))
 
 
 @torch.no_grad()
 def draft_tree(drafter: Eagle3Drafter, last_hidden: torch.Tensor, pos: int, spec: TreeSpec,
-               graphs: Graphs | None = None) -> DraftTree:
+               graphs: Graphs | None = None, temperature: float = 0.0, top_p: float = 1.0, generator=None) -> DraftTree:
     """Expand `topk` children of the best `topk` nodes per level for `spec.steps` levels, then keep the
     `num_draft_tokens` nodes of highest cumulative draft log-probability (an ancestor never scores
     below its descendants, so the kept set is a tree). Frontier nodes of level d use drafter slots
     pos + (d-2)*topk + i and RoPE position pos-2+d. Bookkeeping stays on the host; the device
-    sees one drafter pass per level."""
+    sees one drafter pass per level. At temperature > 0 children are sampled (expand_sampled),
+    nodes are ranked by sampled_order, and the tree carries the q each node's children came from."""
     graphs = graphs or eager()
     dev, K, S = last_hidden.device, spec.topk, drafter.max_len
+    sampled = temperature > 0
     step = masked_step(drafter)
-    score, ids = torch.log_softmax(drafter.logits(last_hidden[:, -1]), -1)[0].topk(K)
-    tok_chunks, score_chunks = [drafter.to_target(ids)], [score]
-    parents, depth = [-1] * K, [1] * K
-    frontier, hidden, slot_of = list(range(K)), last_hidden.expand(1, K, -1), {}
+
+    def expand(h, parent_score):  # drafter outputs (F, H) -> child scores, draft ids (F, K), q (F, Vd) or None
+        if sampled:
+            return expand_sampled(drafter.logits(h), parent_score, K, temperature, top_p, generator)
+        return expand_greedy(drafter.logits(h), parent_score, K)
+
+    def best(first: int, n: int) -> list[int]:  # the n best nodes from index `first` on
+        score = torch.cat(score_chunks)[first:]
+        if sampled:
+            return sampled_order(score.tolist(), range(first, len(parents)), parents, depth, rank)[:n]
+        return (first + score.topk(min(n, len(score))).indices).tolist()
+
+    score, ids, q = expand(last_hidden[:, -1], torch.zeros(1, device=dev))
+    tok_chunks, score_chunks = [drafter.to_target(ids[0])], [score[0]]
+    parents, depth, rank = [-1] * K, [1] * K, list(range(K))
+    q_of = {-1: q[0]} if sampled else {}
+    frontier = best(0, K) if sampled else list(range(K))
+    hidden, slot_of = last_hidden.expand(1, len(frontier), -1), {}
     prefix = torch.arange(S) < pos
     for d in range(2, spec.steps + 1):
         F_ = len(frontier)
@@ -415,22 +493,30 @@ def draft_tree(drafter: Eagle3Drafter, last_hidden: torch.Tensor, pos: int, spec
         fr = torch.tensor(frontier, device=dev)
         h = graphs(("dtree", F_), step, all_tokens[fr][None], hidden, torch.tensor(slots, device=dev),
                    mask[None, None].to(dev), torch.full((1, F_), pos - 2 + d, device=dev))
-        cand = torch.cat(score_chunks)[fr][:, None] + torch.log_softmax(drafter.logits(h[0]), -1)  # (F, Vd)
-        top_s, top_i = cand.topk(K, dim=-1)  # (F, K)
+        score, ids, q = expand(h[0], torch.cat(score_chunks)[fr])
         base = len(parents)
-        tok_chunks.append(drafter.to_target(top_i.flatten()))
-        score_chunks.append(top_s.flatten())
+        tok_chunks.append(drafter.to_target(ids.flatten()))
+        score_chunks.append(score.flatten())
         parents += [f for f in frontier for _ in range(K)]
         depth += [d] * (F_ * K)
-        best = top_s.flatten().topk(K).indices
-        frontier, hidden = (base + best).tolist(), h[:, best // K]
-    keep = torch.cat(score_chunks).topk(min(spec.num_draft_tokens, len(parents))).indices.tolist()
+        rank += list(range(K)) * F_
+        q_of.update(zip(frontier, q) if sampled else ())
+        frontier = best(base, K)
+        hidden = h[:, torch.tensor([(f - base) // K for f in frontier], device=dev)]
+    keep = best(0, spec.num_draft_tokens)
     kept = set(keep)
-    keep = [i for i in keep if all(a in kept for a in _ancestry(parents, i))]  # ties could break closure
-    keep.sort(key=lambda i: (depth[i], i))
+    keep = [i for i in keep if all(a in kept for a in _ancestry(parents, i))]  # greedy ties could break closure
+    keep.sort(key=lambda i: (depth[i], i))  # siblings stay in draft order
     index = {old: new for new, old in enumerate(keep)}
-    return DraftTree(torch.cat(tok_chunks)[torch.tensor(keep, device=dev)],
+    tree = DraftTree(torch.cat(tok_chunks)[torch.tensor(keep, device=dev)],
                      torch.tensor([index.get(parents[i], -1) for i in keep]), torch.tensor([depth[i] for i in keep]))
+    if sampled:
+        draft_ids = drafter.to_target(torch.arange(drafter.cfg.draft_vocab_size, device=dev))
+        tree.q = torch.zeros(len(keep) + 1, drafter.cfg.vocab_size, device=dev)
+        for row, node in enumerate([-1] + keep):
+            if node in q_of:
+                tree.q[row, draft_ids] = q_of[node]
+    return tree
 
 
 def _ancestry(parents: list[int], i: int) -> list[int]:
@@ -441,12 +527,52 @@ def _ancestry(parents: list[int], i: int) -> list[int]:
     return out
 
 
+def accept_tree_greedy(best: torch.Tensor, tree: DraftTree) -> tuple[list[int], torch.Tensor]:
+    """Follow the target's greedy choices down the tree. best: (N+1,) target argmax at root and nodes.
+    Returns (accepted path as node indices, root 0, the token after it)."""
+    best_ = best.tolist()
+    children: dict[int, dict[int, int]] = {}
+    for i, (p, t) in enumerate(zip(tree.parents.tolist(), tree.tokens.tolist())):
+        children.setdefault(p + 1, {}).setdefault(t, i + 1)
+    path, cur = [], 0
+    while best_[cur] in children.get(cur, {}):
+        cur = children[cur][best_[cur]]
+        path.append(cur)
+    return path, best[cur : cur + 1]
+
+
+def accept_tree_sampled(p: torch.Tensor, tree: DraftTree, generator=None) -> tuple[list[int], torch.Tensor]:
+    """Recursive rejection sampling (multi-draft speculative sampling without replacement).
+    p: (N+1, V) target distributions at the root and at each node. At a node, starting from r = its p,
+    try the children in draft order: child x_i was drawn from q_i (q without the elder siblings,
+    renormalised) and is accepted with probability min(1, r(x_i) / q_i(x_i)); on rejection
+    r <- norm(max(0, r - q_i)), which is 0 at x_i. Descend into the first accepted child; when none
+    is, the next token is sampled from r. Same return as accept_tree_greedy."""
+    kids, tokens = tree.children(), tree.tokens.tolist()
+    u = torch.rand(len(tokens) + 1, generator=generator, device=p.device)  # every node is tried at most once
+    path, cur = [], 0
+    while True:
+        r, q = p[cur], tree.q[cur]
+        for c in kids[cur]:
+            x = tokens[c - 1]
+            if bool(u[c] * q[x] < r[x]):
+                break
+            r = residual(r, q)
+            q = q.clone()
+            q[x] = 0.0
+            q = q / q.sum()
+        else:
+            return path, torch.multinomial(r, 1, generator=generator)
+        path.append(c)
+        cur = c
+
+
 @torch.no_grad()
 def verify_tree(model: Transformer, pending: torch.Tensor, tree: DraftTree, pos: int, capture,
-                graphs: Graphs | None = None):
-    """One target pass over [pending, tree nodes] at slots pos..pos+N under the tree mask; greedy walk
-    from the root; the accepted path is moved to slots pos+1..pos+n.
-    Returns (n, bonus token, aux rows of root + path, path tokens)."""
+                graphs: Graphs | None = None, temperature: float = 0.0, top_p: float = 1.0, generator=None):
+    """One target pass over [pending, tree nodes] at slots pos..pos+N under the tree mask; a greedy walk
+    from the root (accept_tree_sampled at temperature > 0); the accepted path is moved to slots
+    pos+1..pos+n. Returns (n, the token after the path, aux rows of root + path, path tokens)."""
     graphs = graphs or eager()
     dev = pending.device
     n_nodes = len(tree.parents) + 1
@@ -455,45 +581,58 @@ def verify_tree(model: Transformer, pending: torch.Tensor, tree: DraftTree, pos:
     mask[:, :pos] = True
     mask[:, pos : pos + n_nodes] = tree.ancestors()
     rope = pos + torch.cat([torch.zeros(1, dtype=torch.long), tree.depth])[None]
-    best, aux = graphs(("tree", n_nodes), masked_step(model, capture), seq, torch.arange(pos, pos + n_nodes, device=dev),
-                       mask[None, None].to(dev), rope.to(dev))
-    best = best.tolist()
-    children: dict[int, dict[int, int]] = {}
-    for i, (p, t) in enumerate(zip(tree.parents.tolist(), tree.tokens.tolist())):
-        children.setdefault(p + 1, {}).setdefault(t, i + 1)
-    path, cur = [], 0
-    while best[cur] in children.get(cur, {}):
-        cur = children[cur][best[cur]]
-        path.append(cur)
+    sampled = temperature > 0
+    head = (lambda logits: probs(logits, temperature, top_p)) if sampled else None
+    key = ("tree-p", n_nodes, temperature, top_p) if sampled else ("tree", n_nodes)
+    out, aux = graphs(key, masked_step(model, capture, head), seq, torch.arange(pos, pos + n_nodes, device=dev),
+                      mask[None, None].to(dev), rope.to(dev))
+    path, nxt = accept_tree_sampled(out, tree, generator) if sampled else accept_tree_greedy(out, tree)
     if path:
         model.commit(pos + torch.tensor(path, device=dev), torch.arange(pos + 1, pos + 1 + len(path), device=dev))
     rows = torch.tensor([0] + path, device=dev)
-    return len(path), torch.tensor([best[cur]], device=dev), aux[:, rows], seq[0, rows[1:]]
+    return len(path), nxt.clone(), aux[:, rows], seq[0, rows[1:]]
 
 
 @torch.no_grad()
 def decode_tree(model: Transformer, drafter: Eagle3Drafter, prompt: torch.Tensor, max_new: int, spec: TreeSpec,
                 eos_ids=(), graphs: Graphs | None = None) -> Generation:
     """EAGLE-2 style tree speculation at temperature 0."""
-    graphs = graphs or eager()
+    return tree_loop(model, drafter, prompt, max_new, spec, eos_ids, graphs or eager())
+
+
+@torch.no_grad()
+def decode_tree_sampled(model: Transformer, drafter: Eagle3Drafter, prompt: torch.Tensor, max_new: int, tree: TreeSpec,
+                        temperature: float, top_p: float = 1.0, eos_ids=(), generator=None) -> Generation:
+    """Tree speculation at temperature > 0 whose output is distributed exactly as the target's own
+    sampling (same temperature and top-p): children sampled without replacement from the drafter,
+    nodes selected in sampled_order, recursive rejection sampling down the tree. Eager, like
+    decode_chain_sampled; temperature 0 is decode_tree."""
+    return tree_loop(model, drafter, prompt, max_new, tree, eos_ids, eager(), temperature, top_p, generator)
+
+
+def tree_loop(model: Transformer, drafter: Eagle3Drafter, prompt: torch.Tensor, max_new: int, spec: TreeSpec, eos_ids,
+              graphs: Graphs, temperature: float = 0.0, top_p: float = 1.0, generator=None) -> Generation:
+    """The tree decoding loop both decoders share: draft a tree, verify it, commit the accepted path,
+    catch the drafter up on it."""
     dev = prompt.device
     T = prompt.shape[1]
     capture = drafter.cfg.aux_layer_ids
+    sampling = dict(temperature=temperature, top_p=top_p, generator=generator)
     model.setup_caches(1, T + max_new + spec.num_draft_tokens + 2)
     drafter.setup_caches(1, T + max_new + spec.steps * spec.topk + 2)
     sync(dev)
     t0 = time.perf_counter()
-    pending, first = prefill(model, prompt, capture)
+    pending, first = prefill(model, prompt, capture, **sampling)
     h = drafter(torch.cat([prompt[0, 1:], pending])[None], drafter.fuse(first.aux), torch.arange(T, device=dev))
     sync(dev)
     gen = Generation([int(pending)], 0.0, time.perf_counter() - t0)
     pos = T
     while not finish(gen.tokens, max_new, eos_ids)[1]:
         t1 = time.perf_counter()
-        tree = draft_tree(drafter, h[:, -1:], pos, spec, graphs)
+        tree = draft_tree(drafter, h[:, -1:], pos, spec, graphs, **sampling)
         sync(dev)
         t2 = time.perf_counter()
-        n, bonus, aux, path_tokens = verify_tree(model, pending, tree, pos, capture, graphs)
+        n, bonus, aux, path_tokens = verify_tree(model, pending, tree, pos, capture, graphs, **sampling)
         gen.draft_seconds += t2 - t1
         gen.verify_seconds += time.perf_counter() - t2
         accepted = torch.cat([path_tokens, bonus])

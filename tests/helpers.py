@@ -1,9 +1,12 @@
 """Builders shared by tests: a native tiny target and drafters (random or stub)."""
 
+from types import SimpleNamespace
+
 import torch
+import torch.nn.functional as F
 
 from draftsmith.draft import DraftConfig, Eagle3Drafter
-from draftsmith.target import ModelArgs, Transformer, hf_to_native
+from draftsmith.target import ModelArgs, TargetOutput, Transformer, hf_to_native
 
 from conftest import make_hf_model
 
@@ -56,3 +59,45 @@ class OracleDrafter(Eagle3Drafter):
         out = torch.full((hidden.shape[0], self.cfg.draft_vocab_size), -1e4)
         out[:, tok] = 0.0
         return out
+
+
+class BigramTarget:
+    """A stand-in target whose next-token logits depend only on the current token: table[token]
+    (V, V). The probability of a continuation is then a product of table rows, so tests can
+    enumerate the exact output distribution. Masks, positions and the cache do not matter to it."""
+
+    def __init__(self, table: torch.Tensor):
+        self.table = table
+        self.args = SimpleNamespace(vocab_size=table.shape[0])
+        self.max_len = 0
+
+    def setup_caches(self, batch: int, max_len: int):
+        self.max_len = max(self.max_len, max_len)
+
+    def __call__(self, tokens, input_pos, mask=None, rope_pos=None, capture=()):
+        hidden = F.one_hot(tokens, self.table.shape[0]).float()  # (B, T, V)
+        return TargetOutput(hidden, hidden.repeat(1, 1, 3) if capture else None)
+
+    def logits(self, hidden):
+        return hidden @ self.table
+
+    def commit(self, src, dst):
+        pass
+
+
+class BigramDrafter(BigramTarget):
+    """The drafter counterpart: draft logits table[token], full vocabulary."""
+
+    def __init__(self, table: torch.Tensor):
+        super().__init__(table)
+        V = table.shape[0]
+        self.cfg = SimpleNamespace(aux_layer_ids=(0, 1, 2), vocab_size=V, draft_vocab_size=V)
+
+    def __call__(self, tokens, hidden, input_pos, mask=None, rope_pos=None):
+        return F.one_hot(tokens, self.table.shape[0]).float()
+
+    def fuse(self, aux):
+        return aux
+
+    def to_target(self, ids):
+        return ids

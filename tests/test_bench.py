@@ -7,12 +7,16 @@ from helpers import tiny_drafter
 from draftsmith.target import load_target
 
 
+def write_prompts(path):
+    path.write_text("".join(json.dumps({"question_id": i, "turns": [f"Tell me about {w}.", "More?"]}) + "\n"
+                            for i, w in enumerate(["the sea", "Paris", "a fox", "code"])))
+    return path
+
+
 def test_bench_reports_identical_outputs_and_accept_lengths(tiny_target_dir, tmp_path):
     target = load_target(str(tiny_target_dir))
     drafter = tiny_drafter(target.model, draft_vocab=200)
-    prompts = tmp_path / "mt.jsonl"
-    prompts.write_text("".join(json.dumps({"question_id": i, "turns": [f"Tell me about {w}.", "More?"]}) + "\n"
-                               for i, w in enumerate(["the sea", "Paris", "a fox", "code"])))
+    prompts = write_prompts(tmp_path / "mt.jsonl")
     for path in (save_trained(drafter, tmp_path / "trained"), export_sglang(drafter, tmp_path / "sglang")):
         r = run(BenchConfig(target=str(tiny_target_dir), drafter=str(path), prompts=str(prompts), out=str(tmp_path / "b"),
                             num_prompts=3, max_new_tokens=20, draft_tokens=3))
@@ -27,3 +31,13 @@ def test_bench_reports_identical_outputs_and_accept_lengths(tiny_target_dir, tmp
             assert abs(a - sum(v for k, v in r.tau_hist.items() if int(k) > i) / cycles) < 1e-9
     saved = json.loads((tmp_path / "b" / "bench.json").read_text())
     assert saved["lossless"] is True and len(saved["per_prompt"]) == 3
+
+
+def test_bench_samples_with_trees(tiny_target_dir, tmp_path):
+    target = load_target(str(tiny_target_dir))
+    path = save_trained(tiny_drafter(target.model, draft_vocab=200), tmp_path / "trained")
+    prompts = write_prompts(tmp_path / "mt.jsonl")
+    r = run(BenchConfig(target=str(tiny_target_dir), drafter=str(path), prompts=str(prompts), num_prompts=2,
+                        max_new_tokens=12, mode="tree", topk=2, steps=3, num_draft_tokens=4, temperature=0.8, top_p=0.9))
+    assert r.prompts == 2 and r.tau_mean >= 1.0 and r.draft_s > 0 and r.verify_s > 0
+    assert sum(int(k) * v for k, v in r.tau_hist.items()) + 2 >= sum(p["spec_tokens"] for p in r.per_prompt)
