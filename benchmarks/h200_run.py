@@ -8,6 +8,7 @@ Each phase writes its JSON under --out as it goes; the last stdout line is a JSO
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -324,8 +325,7 @@ def bench_smollm2_shape(a, res):
 def train_mfu_8b(res):
     """Drafter training throughput at the Llama-3.1-8B shape: H=4096, Vd=32000, TTT 7, 2048 tokens."""
     from draftsmith.train import ttt_loss
-    args = ModelArgs(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
-                     num_kv_heads=8, head_dim=128, rope_theta=500000.0, max_position_embeddings=4096)
+    args = dataclasses.replace(LLAMA8B, max_position_embeddings=4096)
     H, I, Vd, T, depth, kv = 4096, 14336, 32000, 2048, 7, 8 * 128
     d = Eagle3Drafter(DraftConfig.from_target(args, Vd)).cuda()
     d.d2t.copy_(torch.zeros(Vd, dtype=torch.long))

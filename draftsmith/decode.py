@@ -95,10 +95,11 @@ def generate_batch(model: Transformer, prompts: list[list[int]], max_new: int, e
             finished = done.tolist()
             live = len(rows) - sum(finished)
             if i == max_new - 1 or live <= (len(rows) // 2 if graphed else len(rows) - 1):
-                keep = [j for j, f in enumerate(finished) if not f] if i < max_new - 1 else []
-                for j, toks in enumerate(history[:, : i + 1].tolist()):
-                    if j not in keep:
-                        answers[rows[j]] = cut_at_eos(toks, eos_ids)
+                last = i == max_new - 1
+                keep = [j for j, f in enumerate(finished) if not f and not last]
+                leave = [j for j, f in enumerate(finished) if f or last]
+                for j, toks in zip(leave, history[leave, : i + 1].tolist()):
+                    answers[rows[j]] = cut_at_eos(toks, eos_ids)
                 if not keep:
                     break
                 index = torch.tensor(keep, device=dev)
@@ -138,6 +139,15 @@ def target_step(model: Transformer, capture=()):
     return step
 
 
+def next_token_step(model: Transformer, temperature: float = 0.0, top_p: float = 1.0, generator=None):
+    """The target over tokens (1, T) at slots pos..pos+T-1 -> (1,) the token after them. Plain decoding's
+    step; at temperature 0 its graph (key ("plain", 1)) is the one greedy_agreement replays."""
+    def step(tokens, pos):
+        h = model(tokens, pos + torch.arange(tokens.shape[1], device=pos.device)).hidden
+        return sample(model.logits(h[:, -1]), temperature, top_p, generator)
+    return step
+
+
 @torch.no_grad()
 def decode_plain(model: Transformer, prompt: torch.Tensor, max_new: int, eos_ids=(), graphs: Graphs | None = None,
                  temperature: float = 0.0, top_p: float = 1.0, generator=None) -> Generation:
@@ -146,11 +156,7 @@ def decode_plain(model: Transformer, prompt: torch.Tensor, max_new: int, eos_ids
     dev = prompt.device
     T = prompt.shape[1]
     model.setup_caches(1, T + max_new + 1)
-
-    def step(tokens, pos):  # -> (1,) the token after `tokens`
-        h = model(tokens, pos + torch.arange(tokens.shape[1], device=pos.device)).hidden
-        return sample(model.logits(h[:, -1]), temperature, top_p, generator)
-
+    step = next_token_step(model, temperature, top_p, generator)
     sync(dev)
     t0 = time.perf_counter()
     tok = step(prompt, torch.zeros(1, dtype=torch.long, device=dev))  # prefill
@@ -176,11 +182,7 @@ def greedy_agreement(model: Transformer, prompt: torch.Tensor, tokens: list[int]
     dev = prompt.device
     T = prompt.shape[1]
     model.setup_caches(1, T + len(tokens) + 1)
-
-    def step(tokens, pos):
-        h = model(tokens, pos + torch.arange(tokens.shape[1], device=pos.device)).hidden
-        return model.logits(h[:, -1]).argmax(-1)
-
+    step = next_token_step(model)
     best = [int(step(prompt, torch.zeros(1, dtype=torch.long, device=dev)))]
     pos = torch.tensor([T], device=dev)
     feed = torch.tensor(tokens, device=dev)
