@@ -105,7 +105,8 @@ def bench_smollm(a, res):
     import draftsmith.decode as dec
     dt = getattr(torch, a.dtype)
     target = load_target(a.gguf, a.device, dt)
-    model = target.model.optimize("inductor" if a.device.startswith("cuda") else None)
+    model = target.model
+    optimize_for(model, a.engine if a.device.startswith("cuda") else "fused")
     drafter, _ = load_trained(RUN / f"train{a.tag}" / "drafter")
     drafter = drafter.to(a.device, dt).eval()  # Rotary keeps its fp32 tables
     qs = load_eval(Path(a.data) / "eval" / "mt_bench.jsonl")[: a.num_prompts]
@@ -214,17 +215,37 @@ def random_model(args: ModelArgs) -> Transformer:
     return model.eval()
 
 
-def kernels_per_step(step, tok, pos) -> int:
+def kernel_profile(run) -> dict:
+    """Kernels one call of `run` (a graph replay) puts on the GPU, their summed device time, and the
+    five that take longest in total: how far the step is from back-to-back useful work."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step(tok, pos)
+        run()
         sync()
-    return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    top = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)[:5]
+    return {"kernels": len(kernels), "kernel_ms": round(sum(e.self_device_time_total for e in kernels) / 1e3, 4),
+            "top": {e.key[:80]: [e.count, round(e.self_device_time_total / 1e3, 4)] for e in top}}
 
 
-def engine_speed(model: Transformer, bw: float, label: str, variants=("graphs", "fused", "compiled")) -> dict:
+ENGINE_VARIANTS = ("graphs", "compiled", "compiled_model", "compiled_model_cdt")
+
+
+def optimize_for(model: Transformer, variant: str):
+    if variant == "fused":
+        model.optimize()
+    elif variant == "compiled":
+        model.optimize("inductor")
+    elif variant.startswith("compiled_model"):
+        # cdt: inductor's coordinate-descent tuning of its own kernels' launch configs (as gpt-fast sets)
+        torch._inductor.config.coordinate_descent_tuning = variant.endswith("cdt")
+        model.optimize("inductor", scope="model")
+
+
+def engine_speed(model: Transformer, bw: float, label: str, variants=ENGINE_VARIANTS) -> dict:
     """Batch-1 greedy decode speed of one target, for each engine variant in turn (the model is
-    optimised in place): CUDA graphs over eager kernels, + fused qkv/gate-up, + compiled layers."""
+    optimised in place): CUDA graphs over eager kernels; + fused qkv/gate-up and compiled layers;
+    + the whole forward compiled as one graph; + inductor's coordinate-descent tuning."""
     args = model.args
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     if not args.tie_word_embeddings:
@@ -236,10 +257,7 @@ def engine_speed(model: Transformer, bw: float, label: str, variants=("graphs", 
     for variant in variants:
         t = time.perf_counter()
         try:
-            if variant == "fused":
-                model.optimize()
-            elif variant == "compiled":
-                model.optimize("inductor")
+            optimize_for(model, variant)
             graphs = Graphs(True)
             decode_plain(model, x, 16, (), graphs)  # capture (and compile) outside the timing
             runs = [decode_plain(model, x, 256, (), graphs) for _ in range(3)]
@@ -250,7 +268,8 @@ def engine_speed(model: Transformer, bw: float, label: str, variants=("graphs", 
                 graphs(("plain", T), step, tok, pos)
                 v[f"step_T{T}_ms"] = round(timed(lambda: [graphs(("plain", T), step, tok, pos) for _ in range(50)], reps=5) / 50 * 1e3, 4)
             v["verify8_over_step"] = round(v["step_T8_ms"] / v["step_T1_ms"], 3)
-            v["kernels_per_step"] = kernels_per_step(step, tok[:, :1], pos)
+            tok1 = tok[:, :1]
+            v["profile_T1"] = kernel_profile(lambda: graphs(("plain", 1), step, tok1, pos))
             v["achieved_TBs"] = round(weight_bytes / (v["step_T1_ms"] / 1e3) / 1e12, 3)
         except Exception as e:  # noqa: BLE001 - recorded; the next variant still runs
             v = {"error": repr(e)[:500]}
@@ -401,6 +420,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("phase", choices=["train", "bench", "both", "engine"])
     ap.add_argument("--tag", default="")
+    ap.add_argument("--engine", default="compiled", choices=ENGINE_VARIANTS[1:], help="bench: how the SmolLM2 engine is optimised")
     ap.add_argument("--with-8b", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--gguf")
     ap.add_argument("--data")

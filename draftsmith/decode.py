@@ -151,25 +151,38 @@ def next_token_step(model: Transformer, temperature: float = 0.0, top_p: float =
 @torch.no_grad()
 def decode_plain(model: Transformer, prompt: torch.Tensor, max_new: int, eos_ids=(), graphs: Graphs | None = None,
                  temperature: float = 0.0, top_p: float = 1.0, generator=None) -> Generation:
-    """One target step per token: greedy (graph-captured on CUDA), or sampled (eager) when temperature > 0."""
+    """One target step per token: greedy (graph-captured on CUDA), or sampled (eager) when temperature > 0.
+    The step feeds itself (its token and position stay on the device), so captured steps run back to
+    back and the host looks at the tokens every CHECK_EVERY steps; eager, it looks after each one."""
     graphs = graphs if graphs is not None and temperature <= 0 else eager()
     dev = prompt.device
     T = prompt.shape[1]
     model.setup_caches(1, T + max_new + 1)
     step = next_token_step(model, temperature, top_p, generator)
+
+    def advance(tok, pos, out):  # tok (1, 1) at slot pos -> out[pos] = the token after it
+        nxt = step(tok, pos)
+        out.index_copy_(0, pos, nxt)
+        tok.copy_(nxt[None])
+        pos.add_(1)
+
     sync(dev)
     t0 = time.perf_counter()
     tok = step(prompt, torch.zeros(1, dtype=torch.long, device=dev))  # prefill
     sync(dev)
     t_prefill = time.perf_counter() - t0
-    out = [int(tok)]
-    pos = torch.tensor([T], device=dev)
-    while not finish(out, max_new, eos_ids)[1]:
-        tok = graphs(("plain", 1), step, tok[None], pos)
-        out.append(int(tok))
-        pos += 1
+    key = ("plain_loop", model.max_len)
+    _, _, buf = graphs.start(key, advance, tok[None], torch.tensor([T], device=dev),
+                             torch.zeros(model.max_len, dtype=torch.long, device=dev))
+    (out, done), every = finish([int(tok)], max_new, eos_ids), CHECK_EVERY if graphs.enabled else 1
+    while not done:
+        n = min(every, max_new - len(out))
+        for _ in range(n):
+            graphs.replay(key)
+        start = T + len(out) - 1
+        out, done = finish(out + buf[start : start + n].tolist(), max_new, eos_ids)
     sync(dev)
-    return Generation(finish(out, max_new, eos_ids)[0], time.perf_counter() - t0, t_prefill)
+    return Generation(out, time.perf_counter() - t0, t_prefill)
 
 
 @torch.no_grad()

@@ -184,14 +184,19 @@ class KVCache(nn.Module):
         self.v[:, :, dst] = self.v[:, :, src]
 
 
+COMPILED_MAX_TOKENS = 64  # query lengths (decode, verify, tree) that run optimize()'s compiled code
+
+
 def attention(q, k, v, mask, scale=None):
     """Grouped-query attention. q: (B, h, T, D); k, v: (B, kv, S, D); mask: bool (B|1, 1, T, S)."""
     B, h, T, D = q.shape
     kv = k.shape[1]
-    if T * (h // kv) > 64:  # prefill: SDPA (enable_gqa reads each kv head for its group in place)
+    if T > COMPILED_MAX_TOKENS:  # prefill: SDPA (enable_gqa reads each kv head for its group in place)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=h != kv)
-    # decode and verification: a query group per kv head, two small matmuls against the cache as it
-    # lies (no repeated copy of the cache, no fallback to SDPA's unfused math path for masked GQA)
+    # decode, chain and tree verification: a query group per kv head, two small matmuls against the
+    # cache as it lies (no repeated copy of the cache, no fallback to SDPA's unfused math path for
+    # masked GQA), softmax in fp32. One path for every short query, so a bf16 tree verify rounds
+    # like the one-token step it must agree with.
     g = q.reshape(B, kv, (h // kv) * T, D)
     s = (g @ k.transpose(-1, -2)).float() * (scale or D**-0.5)  # (B, kv, rep*T, S)
     m = mask.expand(B, 1, T, mask.shape[-1]).repeat(1, 1, h // kv, 1)  # rows in (head, t) order, like g
@@ -299,9 +304,6 @@ def causal_mask(input_pos: torch.Tensor, max_len: int) -> torch.Tensor:
     return (slots[None, :] <= input_pos[:, None])[None, None]
 
 
-COMPILED_MAX_TOKENS = 64  # query lengths (decode, verify, tree) that run optimize()'s compiled layers
-
-
 class Transformer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -338,6 +340,12 @@ class Transformer(nn.Module):
     ) -> TargetOutput:
         if self.max_len == 0:
             raise RuntimeError("call setup_caches(batch, max_len) before forward")
+        short = tokens.shape[1] <= COMPILED_MAX_TOKENS
+        run = self.fast if short and hasattr(self, "fast") else self.body
+        return TargetOutput(*run(tokens, input_pos, mask, rope_pos, capture, short))
+
+    def body(self, tokens, input_pos, mask, rope_pos, capture, short):
+        """forward's computation -> (final hidden, aux); what optimize(scope="model") compiles whole."""
         if mask is None:
             mask = causal_mask(input_pos, self.max_len)
         if rope_pos is None:
@@ -345,12 +353,11 @@ class Transformer(nn.Module):
         x = self.embed_tokens(tokens)  # (B, T, H)
         cos, sin = self.rotary(rope_pos, x.dtype)
         aux = []
-        compiled = tokens.shape[1] <= COMPILED_MAX_TOKENS
         for i, layer in enumerate(self.layers):
-            x = (layer.fast if compiled and hasattr(layer, "fast") else layer)(x, cos, sin, input_pos, mask)
+            x = (layer.fast if short and hasattr(layer, "fast") else layer)(x, cos, sin, input_pos, mask)
             if i in capture:
                 aux.append(x)
-        return TargetOutput(self.norm(x), torch.cat(aux, dim=-1) if aux else None)
+        return self.norm(x), torch.cat(aux, dim=-1) if aux else None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         h = hidden.reshape(-1, hidden.shape[-1])  # (N, H)
@@ -362,23 +369,36 @@ class Transformer(nn.Module):
             out = self.lm_head(h)
         return out.reshape(*hidden.shape[:-1], -1).float()  # (..., V)
 
-    def optimize(self, compile_backend: str | None = None) -> "Transformer":
-        """Inference only: fused qkv and gate/up matmuls, and optionally each decoder layer compiled
-        (torch.compile with `compile_backend`, e.g. "inductor"; one compilation serves every layer) so
-        that norms, rotary embeddings and cache writes become a few fused kernels. Captured in a
-        CUDA graph (cudagraph.py), a decode step is then a few hundred kernels instead of ~50 a layer."""
+    def optimize(self, compile_backend: str | None = None, scope: str = "layer") -> "Transformer":
+        """Inference only: fused qkv and gate/up matmuls, and optionally compiled code for short
+        queries (decode, verify, trees; torch.compile with `compile_backend`, e.g. "inductor") so that
+        norms, rotary embeddings, cache writes and softmax become a few fused kernels. scope "layer"
+        compiles one decoder layer (one compilation serves every layer); "model" compiles the whole
+        forward, embedding to final norm, so inductor also fuses across layers (one layer's residual
+        add into the next one's norm) at the cost of a longer compilation. Captured in a CUDA graph
+        (cudagraph.py), a decode step is then a few hundred kernels instead of ~50 a layer."""
+        if scope not in ("layer", "model"):
+            raise ValueError(f"scope must be 'layer' or 'model', got {scope!r}")
         for layer in self.layers:
             if not hasattr(layer.mlp, "gate_up"):
                 layer.self_attn.fuse()
                 layer.mlp.fuse()
-            if compile_backend:
-                # shared by all layers: one compilation for one-token steps, one with a dynamic query length
-                # for the rest (verify, trees, short prompts); long prefills stay eager
+            if hasattr(layer, "fast"):
+                del layer.fast
+        if hasattr(self, "fast"):
+            del self.fast
+        if not compile_backend:
+            return self
+        # compiled once for one-token steps, once with a dynamic query length for the rest; long
+        # prefills stay eager
+        if scope == "model":
+            self.fast = torch.compile(self.body, backend=compile_backend, fullgraph=True)
+        else:
+            for layer in self.layers:
                 layer.fast = torch.compile(layer.forward, backend=compile_backend, fullgraph=True)
-        if compile_backend:
-            cfg = torch._dynamo.config
-            name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
-            setattr(cfg, name, max(getattr(cfg, name), 64))  # a few query lengths x cache sizes
+        cfg = torch._dynamo.config
+        name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+        setattr(cfg, name, max(getattr(cfg, name), 64))  # a few query lengths x cache sizes x captures
         return self
 
     def keep_rows(self, rows: torch.Tensor):

@@ -51,13 +51,15 @@ def test_decode_through_cache_matches_full_forward():
         assert (out.aux[0, 0] - want).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("overrides", [{}, {"attention_bias": True}], ids=["plain", "qkv-bias"])
-def test_optimized_model_gives_the_same_logits(overrides):
-    """Fused qkv / gate-up matmuls and layers traced by torch.compile (fullgraph, so a graph break
-    fails) compute what the plain model does, in prefill and step by step through the cache."""
+@pytest.mark.parametrize("overrides, scope", [({}, "layer"), ({"attention_bias": True}, "layer"), ({}, "model")],
+                         ids=["plain", "qkv-bias", "whole-model"])
+def test_optimized_model_gives_the_same_logits(overrides, scope):
+    """Fused qkv / gate-up matmuls and layers (or the whole forward) traced by torch.compile
+    (fullgraph, so a graph break fails) compute what the plain model does, in prefill and step by
+    step through the cache."""
     torch._dynamo.reset()
     model = native_from_hf(make_hf_model(**overrides))
-    fast = native_from_hf(make_hf_model(**overrides)).optimize(compile_backend="eager")
+    fast = native_from_hf(make_hf_model(**overrides)).optimize(compile_backend="eager", scope=scope)
     assert not any("q_proj" in k or "gate_proj" in k for k in fast.state_dict())
     tokens = torch.randint(0, 320, (1, 40))
     for m in (model, fast):
