@@ -388,7 +388,9 @@ def phase_engine(a):
     HF generate on the same shapes, and the 8B-shape drafter training throughput."""
     res = {"phase": "engine", "command": " ".join(sys.argv), "commit": git_commit(), "device": device_name(a.device)}
     out = Path(a.out)
-    for name, fn in (("smollm2_shape", bench_smollm2_shape), ("llama8b_shape", bench_8b), ("train_8b", lambda a, r: train_mfu_8b(r))):
+    sections = {"smollm2_shape": bench_smollm2_shape, "llama8b_shape": bench_8b, "train_8b": lambda a, r: train_mfu_8b(r)}
+    for name in a.sections.split(","):
+        fn = sections[name]
         t = time.perf_counter()
         try:
             fn(a, res)
@@ -420,6 +422,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("phase", choices=["train", "bench", "both", "engine"])
     ap.add_argument("--tag", default="")
+    ap.add_argument("--sections", default="smollm2_shape,llama8b_shape,train_8b", help="engine: which sections, in order")
     ap.add_argument("--engine", default="compiled", choices=ENGINE_VARIANTS[1:], help="bench: how the SmolLM2 engine is optimised")
     ap.add_argument("--with-8b", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--gguf")
