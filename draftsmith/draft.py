@@ -255,10 +255,13 @@ def ttt_attention_flex(q, ks, vs, segment_ids):
         return (r == qi) | (first[ki] & (r < qi) & (segment_ids[b, qi] == segment_ids[b, r]))
 
     mask = create_block_mask(mask_mod, B, None, T, k.shape[2], device=q.device)
-    if not q.is_cuda:  # unfused: it materialises the scores (and torch has no CPU backward); for tests
+    if not q.is_cuda:  # unfused: materialises the scores, and torch has no CPU backward for it; for tests
         return flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
     flex = compiled_flex_attention()
-    with torch._dynamo.config.patch(recompile_limit=32):  # the specialisations above, not one per T
+    # recompile_limit: room for the specialisations above (the default, 8, is close), past which torch would
+    # silently run the unfused path; autocast off: q, k, v share one dtype already, and compiled flex
+    # backward has been reported to fail under autocast
+    with torch._dynamo.config.patch(recompile_limit=32), torch.autocast("cuda", enabled=False):
         return flex(q, k, v, block_mask=mask, enable_gqa=True)
 
 
