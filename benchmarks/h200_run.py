@@ -4,6 +4,7 @@ decode benchmark (ours vs HF, chain and tree) for SmolLM2 and for a Llama-3.1-8B
 Phases (run back to back on one warm machine; /tmp carries state between them):
   python benchmarks/h200_run.py train --gguf /tmp/SmolLM2.gguf --data .device-data --out $OUT
   python benchmarks/h200_run.py bench --gguf /tmp/SmolLM2.gguf --data .device-data --out $OUT
+  python benchmarks/h200_run.py ttt --out $OUT [--ttt-rows 8]   # 8B-shape drafter training, new vs old TTT paths
 Each phase writes its JSON under --out as it goes; the last stdout line is a JSON summary.
 """
 
@@ -341,46 +342,85 @@ def bench_smollm2_shape(a, res):
     torch.cuda.empty_cache()
 
 
-def train_mfu_8b(res):
-    """Drafter training throughput at the Llama-3.1-8B shape: H=4096, Vd=32000, TTT 7, 2048 tokens."""
+TTT_PATHS = {  # section -> ttt_loss options: what training runs on CUDA now, and the paths it replaced
+    "train_8b": {},  # flex attention (compiled), target log-probs once per pack, compiled KL
+    "train_8b_eager_attn": {"attn_impl": "eager"},  # the materialised (B, heads, T, T) attention
+    "train_8b_old": {"attn_impl": "eager", "target_cache_mb": 0, "compile_loss": False},  # all three as before
+}
+
+
+def train_mfu_8b(res, name="train_8b", rows=1, **options):
+    """Drafter training throughput at the Llama-3.1-8B shape: H=4096, Vd=32000, TTT 7, rows x 2048 tokens.
+    options: ttt_loss's (attn_impl, target_cache_mb, compile_loss); none: what training picks on CUDA."""
     from draftsmith.train import ttt_loss
     args = dataclasses.replace(LLAMA8B, max_position_embeddings=4096)
     H, I, Vd, T, depth, kv = 4096, 14336, 32000, 2048, 7, 8 * 128
     d = Eagle3Drafter(DraftConfig.from_target(args, Vd)).cuda()
     d.d2t.copy_(torch.zeros(Vd, dtype=torch.long))
     head = torch.randn(Vd, H, device="cuda", dtype=torch.bfloat16) * 0.02
-    batch = {"input_ids": torch.randint(0, Vd, (1, T), device="cuda"), "aux": torch.randn(1, T, 3 * H, device="cuda", dtype=torch.bfloat16),
-             "final": torch.randn(1, T, H, device="cuda", dtype=torch.bfloat16), "argmax": torch.randint(0, Vd, (1, T), device="cuda"),
-             "loss_mask": torch.ones(1, T, device="cuda", dtype=torch.uint8), "segment_ids": torch.zeros(1, T, device="cuda", dtype=torch.long),
-             "position_ids": torch.arange(T, device="cuda")[None]}
+    B = rows
+    batch = {"input_ids": torch.randint(0, Vd, (B, T), device="cuda"), "aux": torch.randn(B, T, 3 * H, device="cuda", dtype=torch.bfloat16),
+             "final": torch.randn(B, T, H, device="cuda", dtype=torch.bfloat16), "argmax": torch.randint(0, Vd, (B, T), device="cuda"),
+             "loss_mask": torch.ones(B, T, device="cuda", dtype=torch.uint8), "segment_ids": torch.zeros(B, T, device="cuda", dtype=torch.long),
+             "position_ids": torch.arange(T, device="cuda").expand(B, T)}
     opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=1e-4, fused=True)
 
     def step():
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss, _ = ttt_loss(d, head, batch, depth)
+            loss, _ = ttt_loss(d, head, batch, depth, **options)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
 
-    for _ in range(3):
+    t = time.perf_counter()
+    for _ in range(3):  # the first compiles (flex attention, the KL) on the default path
         step()
+    sync()
+    warmup_s = time.perf_counter() - t
+    torch.cuda.reset_peak_memory_stats()
     s = timed(step, reps=5)
+    peak_gb = torch.cuda.max_memory_allocated() / 2**30
     macs = 3 * H * H + depth * (2 * H * (H + 2 * kv) + H * H + 3 * H * I + H * Vd)  # per token, weights
     attn = sum(2 * (T / 2 + j) * H for j in range(depth))  # QK^T and PV per token per step, causal average
     flops_per_token = 6 * macs + 6 * attn  # forward + backward
     a_ = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b_ = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     peak = 2 * 8192**3 / timed(lambda: [a_ @ b_ for _ in range(10)], reps=3) * 10
-    res["train_8b"] = {"tokens_per_s": round(T / s, 1), "step_s": round(s, 4), "flops_per_token": flops_per_token,
-                       "achieved_tflops": round(flops_per_token * T / s / 1e12, 1), "peak_bf16_tflops": round(peak / 1e12, 1),
-                       "train_mfu_8b": round(flops_per_token * T / s / peak, 3)}
+    res[name] = {"options": options, "rows": B, "tokens_per_s": round(B * T / s, 1), "step_s": round(s, 4),
+                 "flops_per_token": flops_per_token, "achieved_tflops": round(flops_per_token * B * T / s / 1e12, 1),
+                 "peak_bf16_tflops": round(peak / 1e12, 1), "train_mfu_8b": round(flops_per_token * B * T / s / peak, 3),
+                 "peak_memory_gb": round(peak_gb, 2), "warmup_s": round(warmup_s, 1)}
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         sync()
     top = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)[:15]
-    res["train_8b"]["top_kernels_ms"] = {e.key[:90]: round(e.self_device_time_total / 1e3, 2) for e in top}
-    res["train_8b"]["profiled_step_ms"] = round(sum(e.self_device_time_total for e in prof.key_averages()) / 1e3, 1)
+    res[name]["top_kernels_ms"] = {e.key[:90]: round(e.self_device_time_total / 1e3, 2) for e in top}
+    res[name]["profiled_step_ms"] = round(sum(e.self_device_time_total for e in prof.key_averages()) / 1e3, 1)
+
+
+def train_8b(name):
+    """A phase section: train_mfu_8b on one of TTT_PATHS, its memory given back afterwards."""
+    def section(a, res):
+        try:
+            train_mfu_8b(res, name, a.ttt_rows, **TTT_PATHS[name])
+        finally:
+            torch.cuda.empty_cache()
+    return section
+
+
+def phase_ttt(a):
+    """Only the 8B-shape drafter training, on each of TTT_PATHS: the new default against the old paths."""
+    res = {"phase": "ttt", "command": " ".join(sys.argv), "commit": git_commit(), "device": device_name(a.device)}
+    for name in TTT_PATHS:
+        t = time.perf_counter()
+        try:
+            train_8b(name)(a, res)
+        except Exception as e:  # noqa: BLE001 - one path failing must not lose the others
+            res[name + "_error"] = repr(e)[:1000]
+        res[name + "_wall_s"] = round(time.perf_counter() - t, 1)
+        dump(Path(a.out), "ttt.json", res)
+        print(json.dumps(res), flush=True)
 
 
 def phase_engine(a):
@@ -388,7 +428,7 @@ def phase_engine(a):
     HF generate on the same shapes, and the 8B-shape drafter training throughput."""
     res = {"phase": "engine", "command": " ".join(sys.argv), "commit": git_commit(), "device": device_name(a.device)}
     out = Path(a.out)
-    sections = {"smollm2_shape": bench_smollm2_shape, "llama8b_shape": bench_8b, "train_8b": lambda a, r: train_mfu_8b(r)}
+    sections = {"smollm2_shape": bench_smollm2_shape, "llama8b_shape": bench_8b, **{n: train_8b(n) for n in TTT_PATHS}}
     for name in a.sections.split(","):
         fn = sections[name]
         t = time.perf_counter()
@@ -406,7 +446,7 @@ def phase_bench(a):
     out = Path(a.out)
     sections = [("smollm2", bench_smollm)]
     if a.device.startswith("cuda") and a.with_8b:
-        sections += [("llama8b_shape", bench_8b), ("train_8b", lambda a, res: train_mfu_8b(res))]
+        sections += [("llama8b_shape", bench_8b), *((n, train_8b(n)) for n in TTT_PATHS)]
     for name, fn in sections:
         t = time.perf_counter()
         try:
@@ -420,9 +460,9 @@ def phase_bench(a):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("phase", choices=["train", "bench", "both", "engine"])
+    ap.add_argument("phase", choices=["train", "bench", "both", "engine", "ttt"])
     ap.add_argument("--tag", default="")
-    ap.add_argument("--sections", default="smollm2_shape,llama8b_shape,train_8b", help="engine: which sections, in order")
+    ap.add_argument("--sections", default=",".join(["smollm2_shape", "llama8b_shape", *TTT_PATHS]), help="engine: which sections, in order")
     ap.add_argument("--engine", default="compiled", choices=ENGINE_VARIANTS[1:], help="bench: how the SmolLM2 engine is optimised")
     ap.add_argument("--with-8b", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--gguf")
@@ -438,6 +478,7 @@ def main():
     ap.add_argument("--train-steps", type=int, help="schedule steps (skips the timing probe)")
     ap.add_argument("--train-seconds", type=float, default=170)
     ap.add_argument("--depth", type=int, default=7)
+    ap.add_argument("--ttt-rows", type=int, default=1, help="rows of 2048 tokens in the 8B-shape training step")
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--lr", type=float, default=5e-4)
     ap.add_argument("--batch-tokens", type=int, default=2048)
@@ -457,6 +498,8 @@ def main():
         phase_bench(a)
     if a.phase == "engine":
         phase_engine(a)
+    if a.phase == "ttt":
+        phase_ttt(a)
 
 
 if __name__ == "__main__":

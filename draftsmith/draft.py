@@ -12,11 +12,13 @@ sees at inference when it drafts the (j+1)-th token after row t.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from draftsmith.target import MLP, Attention, KVCache, ModelArgs, RMSNorm, Rotary, causal_mask
 
@@ -169,47 +171,98 @@ class Eagle3Drafter(nn.Module):
 
     # ------------------------------------------------------------------ training-time test
 
-    def ttt(self, input_ids: torch.Tensor, aux: torch.Tensor, depth: int,
-            position_ids: torch.Tensor | None = None, segment_ids: torch.Tensor | None = None) -> list[torch.Tensor]:
+    def ttt(self, input_ids: torch.Tensor, aux: torch.Tensor, depth: int, position_ids: torch.Tensor | None = None,
+            segment_ids: torch.Tensor | None = None, attn_impl: str = "auto") -> list[torch.Tensor]:
         """Unrolled drafting for training. input_ids: (B, T); aux: (B, T, 3Ht). Returns `depth`
         pre-norm outputs (B, T, H); output j at row t predicts the target's distribution z[t+1+j].
         segment_ids (B, T) keep packed sequences from attending to each other; position_ids (B, T)
-        restart per sequence."""
+        restart per sequence. attn_impl: "eager" materialises the (B, heads, T, T) scores, "flex"
+        runs flex_attention (compiled on CUDA), "auto" picks flex on CUDA and eager elsewhere."""
+        if attn_impl not in ("auto", "eager", "flex"):
+            raise ValueError(f"attn_impl must be 'auto', 'eager' or 'flex', not {attn_impl!r}")
+        flex = attn_impl == "flex" or (attn_impl == "auto" and input_ids.is_cuda)
         B, T = input_ids.shape
         attn = self.midlayer.self_attn
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
-        allowed = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()[None]  # (1, T, T)
-        if segment_ids is not None:
-            allowed = allowed & (segment_ids[:, :, None] == segment_ids[:, None, :])
-        allowed = allowed[:, None]  # (B|1, 1, T, T)
+        if flex:
+            segments = segment_ids if segment_ids is not None else torch.zeros_like(input_ids)
+        else:
+            allowed = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()[None]  # (1, T, T)
+            if segment_ids is not None:
+                allowed = allowed & (segment_ids[:, :, None] == segment_ids[:, None, :])
+            allowed = allowed[:, None]  # (B|1, 1, T, T)
         rep = attn.num_heads // attn.num_kv_heads
-        scale = attn.head_dim ** -0.5
         hidden = self.fuse(aux)
-        k0 = v0 = None
-        diag_k, diag_v, outs = [], [], []
+        ks, vs, outs = [], [], []  # keys and values of steps 0..j
         for j in range(depth):
             tok = F.pad(input_ids[:, 1 + j:], (0, 1 + j), value=0)  # x[t+1+j] at row t
             emb = self.embed_tokens(tok)
             cos, sin = self.rotary(position_ids + j, emb.dtype)
             q, k, v = attn.project(self.midlayer.attn_input(emb, hidden), cos, sin)  # (B, h|kv, T, D)
-            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-            if j == 0:
-                k0, v0 = k, v
+            if flex:
+                q, k = q.to(v.dtype), k.to(v.dtype)  # autocast leaves q, k in fp32 after the fp32 rotation
+                ks.append(k)
+                vs.append(v)
+                y = ttt_attention_flex(q, ks, vs, segments)
             else:
-                diag_k.append(k)
-                diag_v.append(v)
-            s0 = (q @ k0.transpose(-1, -2)) * scale  # (B, h, T, T)
-            s0 = s0.masked_fill(~allowed, float("-inf"))
-            sd = [(q * dk).sum(-1, keepdim=True) * scale for dk in diag_k]  # j x (B, h, T, 1)
-            p = torch.softmax(torch.cat([s0, *sd], dim=-1).float(), dim=-1).to(q.dtype)
-            y = p[..., :T] @ v0
-            for i, dv in enumerate(diag_v):
-                y = y + p[..., T + i: T + i + 1] * dv
+                ks.append(k.repeat_interleave(rep, 1))
+                vs.append(v.repeat_interleave(rep, 1))
+                y = ttt_attention_eager(q, ks, vs, allowed)
             y = attn.o_proj(y.transpose(1, 2).reshape(B, T, -1))
             hidden = self.midlayer.finish(hidden, y)
             outs.append(hidden)
         return outs
+
+
+def ttt_attention_eager(q, ks, vs, allowed):
+    """Step j = len(ks) - 1 of TTT attention with every score materialised. q: (B, h, T, D);
+    ks, vs: j + 1 tensors (B, h, T, D), step 0's read under `allowed` (B|1, 1, T, T), later steps'
+    only on the diagonal (row t sees its own key of that step)."""
+    T, scale = q.shape[2], q.shape[-1] ** -0.5
+    s0 = (q @ ks[0].transpose(-1, -2)) * scale  # (B, h, T, T)
+    s0 = s0.masked_fill(~allowed, float("-inf"))
+    sd = [(q * dk).sum(-1, keepdim=True) * scale for dk in ks[1:]]  # j x (B, h, T, 1)
+    p = torch.softmax(torch.cat([s0, *sd], dim=-1).float(), dim=-1).to(q.dtype)
+    y = p[..., :T] @ vs[0]
+    for i, dv in enumerate(vs[1:]):
+        y = y + p[..., T + i: T + i + 1] * dv
+    return y  # (B, h, T, D)
+
+
+@functools.cache
+def compiled_flex_attention():
+    """flex_attention is fused (no (T, T) scores in memory) only when compiled. Compiled once, with
+    dynamic shapes: T changes with every pack and the key length (j + 1) T with every step, so static
+    shapes would compile anew for each (T, step). What remains specialised (step 0 where the key and
+    query lengths are equal, a batch of 1, training vs evaluation) compiles a handful of times."""
+    return torch.compile(flex_attention, dynamic=True)
+
+
+def ttt_attention_flex(q, ks, vs, segment_ids):
+    """ttt_attention_eager through flex_attention, the keys of all steps side by side:
+    [K0; K1; ...; Kj] (B, kv, (j + 1) T, D); the query at row t may read block 0 at rows <= t of
+    its segment and, in blocks >= 1, only row t. Grouped-query heads are not repeated (enable_gqa)."""
+    B, T = segment_ids.shape
+    k, v = torch.cat(ks, dim=2), torch.cat(vs, dim=2)
+    n = torch.arange(k.shape[2], device=q.device)
+    # row and block of each key as tensors: a Python int captured by mask_mod would be a constant
+    # of the compiled kernel and recompile it for every T
+    row, first = n % T, n < T
+
+    def mask_mod(b, h, qi, ki):
+        r = row[ki]
+        return (r == qi) | (first[ki] & (r < qi) & (segment_ids[b, qi] == segment_ids[b, r]))
+
+    mask = create_block_mask(mask_mod, B, None, T, k.shape[2], device=q.device)
+    if not q.is_cuda:  # unfused: materialises the scores, and torch has no CPU backward for it; for tests
+        return flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
+    flex = compiled_flex_attention()
+    # recompile_limit: room for the specialisations above (the default, 8, is close), past which torch would
+    # silently run the unfused path; autocast off: q, k, v share one dtype already, and compiled flex
+    # backward has been reported to fail under autocast
+    with torch._dynamo.config.patch(recompile_limit=32), torch.autocast("cuda", enabled=False):
+        return flex(q, k, v, block_mask=mask, enable_gqa=True)
 
 
 def load_drafter(state: dict[str, torch.Tensor], cfg: DraftConfig, embed: torch.Tensor | None = None) -> Eagle3Drafter:

@@ -11,11 +11,14 @@ with the frozen target head (REFERENCE.md §2):
 
     loss = sum_j 0.8^j * KL(softmax(z_target[t+1+j] | draft vocab) || q_j[t])  on assistant tokens
 
-each step's KL the mean over its scored tokens in the whole pack. A step scoring more than
-`loss_chunk_tokens` tokens computes its loss in checkpointed chunks, so the (tokens, Vd) logits
-of a whole pack never exist at once. acc_j is agreement with the target's greedy token and the
-simulated accept length is 1 + sum_k prod_{i<=k} acc_i; rank 0 logs them per step to
-metrics.jsonl and, when tensorboard is installed (the `tb` extra), under <out>/tb. Checkpoints
+each step's KL the mean over its scored tokens in the whole pack. The steps share their target
+rows, so those log-probs are computed once per pack (up to `target_cache_mb`). A step scoring more
+than `loss_chunk_tokens` tokens computes its loss in checkpointed chunks, so the (tokens, Vd) logits
+of a whole pack never exist at once. On CUDA the TTT attention runs through compiled flex_attention
+and the KL through torch.compile (`attn_impl`, `compile_loss`); on the CPU both stay eager. acc_j
+is agreement with the target's greedy token and the simulated accept length is
+1 + sum_k prod_{i<=k} acc_i; rank 0 logs them per step to metrics.jsonl and, when tensorboard is
+installed (the `tb` extra), under <out>/tb. Checkpoints
 hold model, optimizer, scheduler, step, data position and RNG state, written atomically;
 rerunning the same command resumes exactly.
 
@@ -35,6 +38,7 @@ picks DDP (replicated weights) or FSDP2 (sharded weights and optimizer state); p
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -83,6 +87,10 @@ class TrainConfig:
     grad_accum: int = 1  # packs per rank per optimizer step
     loss_chunk_tokens: int = 4096  # a TTT step scoring more tokens computes its draft-vocab loss in
     # checkpointed chunks of this many (no (tokens, Vd) logits over the whole pack); 0: never chunk
+    target_cache_mb: int = 4096  # the target's draft-vocab log-probs of a pack (fp32, scored rows x Vd) are computed
+    # once and kept when they fit in this; beyond, each step's chunks recompute theirs; 0: never kept
+    attn_impl: str = "auto"  # TTT attention: "flex" (compiled on CUDA), "eager" (materialised scores); auto: flex on CUDA
+    compile_loss: bool | None = None  # the per-chunk KL through torch.compile; None: on CUDA
     parallel: str = "ddp"  # under torchrun: "ddp" or "fsdp" (FSDP2 fully_shard)
     eval_fraction: float = 0.05
     save_every: int = 100  # optimizer steps between checkpoints
@@ -100,8 +108,10 @@ class TrainConfig:
             raise ValueError("eval_fraction must be in [0, 1)")
         if self.grad_accum < 1 or self.parallel not in ("ddp", "fsdp"):
             raise ValueError("need grad_accum >= 1 and parallel in ('ddp', 'fsdp')")
-        if self.rows_per_pack < 1 or self.loss_chunk_tokens < 0:
-            raise ValueError("need rows_per_pack >= 1 and loss_chunk_tokens >= 0")
+        if self.rows_per_pack < 1 or self.loss_chunk_tokens < 0 or self.target_cache_mb < 0:
+            raise ValueError("need rows_per_pack >= 1, loss_chunk_tokens >= 0 and target_cache_mb >= 0")
+        if self.attn_impl not in ("auto", "eager", "flex"):
+            raise ValueError(f"attn_impl must be 'auto', 'eager' or 'flex', not {self.attn_impl!r}")
 
 
 @dataclass
@@ -228,52 +238,89 @@ def scored(segment_ids: torch.Tensor, loss_mask: torch.Tensor, depth: int) -> to
     return out
 
 
-def chunk_kl(drafter: Eagle3Drafter, head: torch.Tensor, hidden: torch.Tensor, final: torch.Tensor):
-    """Forward KL(target || draft) of each of n rows, and the draft's greedy ids. hidden: (n, H)
-    draft outputs; final: (n, H) the target's final states they are scored against."""
+def target_logp(head: torch.Tensor, final: torch.Tensor) -> torch.Tensor:
+    """The target's log-probs over the draft vocab: final states (n, H) through the frozen head (Vd, H) -> (n, Vd) fp32."""
+    return F.log_softmax((final.to(head.dtype) @ head.T).float(), dim=-1)
+
+
+def target_table(head: torch.Tensor, final: torch.Tensor, rows: torch.Tensor, chunk: int | None, limit_mb: int):
+    """How the scored rows find their target log-probs: (log_p, index), log_p(index[i]) the (Vd,) log-probs
+    of target row rows[i]. Every step is scored against rows of the same (B*T) set, so, when the (rows, Vd)
+    fp32 matrix fits in limit_mb, each row's log-probs are computed once per pack, `chunk` rows at a time,
+    and kept; beyond, each chunk of each step recomputes its own inside its checkpoint (bounded memory)."""
+    need, index = torch.unique(rows, return_inverse=True)  # sorted distinct target rows
+    if len(need) * head.shape[0] * 4 > limit_mb * 2**20:
+        return (lambda r: target_logp(head, final[r])), rows
+    with torch.no_grad():
+        table = torch.cat([target_logp(head, f) for f in final[need].split(chunk or max(len(need), 1))])  # (rows, Vd)
+    return (lambda i: table[i]), index
+
+
+def kl_terms(q: torch.Tensor, log_p: torch.Tensor):
+    """Forward KL(target || draft) of each row from draft logits q (n, Vd) fp32 and target log-probs
+    log_p (n, Vd), and the draft's greedy ids: (n,), (n,)."""
+    # the soft cross-entropy minus the target's entropy (same gradient, 0 when matched)
+    return (log_p.exp() * (log_p - F.log_softmax(q, dim=-1))).sum(-1), q.argmax(-1)
+
+
+@functools.cache
+def compiled_kl_terms():
+    """kl_terms is a few passes over (n, Vd) fp32 each way (log_softmax, exp, products, sum, argmax);
+    inductor fuses them forward and backward. Default dynamic: the second chunk size seen makes the row
+    count dynamic (one recompile), while Vd stays a constant."""
+    return torch.compile(kl_terms)
+
+
+def chunk_kl(drafter: Eagle3Drafter, hidden: torch.Tensor, log_p, index: torch.Tensor, compiled: bool):
+    """kl_terms for n draft outputs hidden (n, H) against the target log-probs log_p(index) (n, Vd)."""
     q = drafter.logits(hidden)  # (n, Vd)
     with torch.no_grad():
-        log_p = F.log_softmax((final.to(head.dtype) @ head.T).float(), dim=-1)  # (n, Vd)
-    # the soft cross-entropy minus the target's entropy (same gradient, 0 when matched)
-    return (log_p.exp() * (log_p - F.log_softmax(q, dim=-1))).sum(-1), q.argmax(-1)  # (n,), (n,)
+        target = log_p(index)
+    return (compiled_kl_terms() if compiled else kl_terms)(q, target)
 
 
-def step_kl(drafter: Eagle3Drafter, head: torch.Tensor, hidden: torch.Tensor, final: torch.Tensor, chunk: int | None):
+def step_kl(drafter: Eagle3Drafter, hidden: torch.Tensor, log_p, index: torch.Tensor, chunk: int | None, compiled: bool):
     """chunk_kl over all n rows of a step; past `chunk` rows (None or 0: never), `chunk` at a time under
     activation checkpointing, so backward recomputes each chunk's (chunk, Vd) logits instead of keeping them."""
     if not chunk or len(hidden) <= chunk:
-        return chunk_kl(drafter, head, hidden, final)
+        return chunk_kl(drafter, hidden, log_p, index, compiled)
+    pieces = zip(hidden.split(chunk), index.split(chunk))
     if torch.is_grad_enabled():
-        parts = [checkpoint(chunk_kl, drafter, head, h, f, use_reentrant=False, preserve_rng_state=False)
-                 for h, f in zip(hidden.split(chunk), final.split(chunk))]
+        parts = [checkpoint(chunk_kl, drafter, h, log_p, i, compiled, use_reentrant=False, preserve_rng_state=False)
+                 for h, i in pieces]
     else:  # evaluation: no graph keeps a chunk alive
-        parts = [chunk_kl(drafter, head, h, f) for h, f in zip(hidden.split(chunk), final.split(chunk))]
+        parts = [chunk_kl(drafter, h, log_p, i, compiled) for h, i in pieces]
     return torch.cat([kl for kl, _ in parts]), torch.cat([ids for _, ids in parts])
 
 
-def ttt_loss(drafter: Eagle3Drafter, head: torch.Tensor, batch: dict, depth: int, chunk_tokens: int | None = None):
+def ttt_loss(drafter: Eagle3Drafter, head: torch.Tensor, batch: dict, depth: int, chunk_tokens: int | None = None, *,
+             target_cache_mb: int = 4096, attn_impl: str = "auto", compile_loss: bool | None = None):
     """Weighted TTT loss plus per-step (loss_j, acc_j, count_j) over a packed (B, T) batch; loss_j
     is the mean over the step's scored tokens in all B rows. head: (Vd, H) target rows. chunk_tokens
-    bounds the scored tokens whose (n, Vd) logits exist at once (step_kl)."""
+    bounds the scored tokens whose (n, Vd) logits exist at once (step_kl); target_cache_mb the target's
+    log-probs kept for the whole pack (target_table). attn_impl goes to Eagle3Drafter.ttt; compile_loss
+    (None: on CUDA) runs kl_terms compiled."""
     ids = batch["input_ids"].long()
     dtype = drafter.fc.weight.dtype
-    outs = drafter.ttt(ids, batch["aux"].to(dtype), depth, batch["position_ids"], batch["segment_ids"])
+    compiled = ids.is_cuda if compile_loss is None else compile_loss
+    outs = drafter.ttt(ids, batch["aux"].to(dtype), depth, batch["position_ids"], batch["segment_ids"], attn_impl)
     where = scored(batch["segment_ids"], batch["loss_mask"].bool(), depth).flatten(1)  # (depth, B*T)
     hit = where.nonzero()  # (N, 2): (step, flat row), steps in order
     counts = torch.bincount(hit[:, 0], minlength=depth).tolist()
+    nxt = hit[:, 1] + 1 + hit[:, 0]  # (N,) the target rows they are scored against, never in another batch row (scored())
     final, argmax = batch["final"].flatten(0, 1), batch["argmax"].long().flatten()  # (B*T, H), (B*T,)
+    log_p, index = target_table(head, final, nxt, chunk_tokens, target_cache_mb)
     total, losses, accs = 0.0, [], []
-    for j, (h, r) in enumerate(zip(outs, hit[:, 1].split(counts))):
+    for j, (h, r, n, i) in enumerate(zip(outs, *(t.split(counts) for t in (hit[:, 1], nxt, index)))):
         if not len(r):
             losses.append(torch.zeros((), device=ids.device))
             accs.append(torch.zeros((), device=ids.device))
             continue
-        nxt = r + 1 + j  # the scored rows never cross a row of the batch (scored())
-        kl, pred = step_kl(drafter, head, h.flatten(0, 1)[r], final[nxt], chunk_tokens)  # (n,), (n,)
+        kl, pred = step_kl(drafter, h.flatten(0, 1)[r], log_p, i, chunk_tokens, compiled)  # (n,), (n,)
         loss_j = kl.mean()
         total = total + STEP_DECAY**j * loss_j
         losses.append(loss_j.detach())
-        accs.append((drafter.to_target(pred) == argmax[nxt]).float().mean())
+        accs.append((drafter.to_target(pred) == argmax[n]).float().mean())
     loss_acc = torch.stack([torch.stack(losses), torch.stack(accs)]).tolist()  # one host sync for all steps
     return total, list(zip(*loss_acc, counts))
 
@@ -300,16 +347,17 @@ def summarize(stats: list[list[tuple]]) -> dict:
 class TTTObjective(nn.Module):
     """What DDP / FSDP wrap (their hooks run around forward): packed batch -> (loss, stats).
     batch None stands in for a rank with no pack left in a step; like a pack with no scored
-    token it gives a zero loss over every trainable weight, so that backward's collectives line up."""
+    token it gives a zero loss over every trainable weight, so that backward's collectives line up.
+    options: ttt_loss's keyword options (target_cache_mb, attn_impl, compile_loss)."""
 
-    def __init__(self, drafter: Eagle3Drafter, head: torch.Tensor, depth: int, chunk_tokens: int | None = None):
+    def __init__(self, drafter: Eagle3Drafter, head: torch.Tensor, depth: int, chunk_tokens: int | None = None, **options):
         super().__init__()
         self.drafter, self.head, self.depth = drafter, head, depth  # head: frozen (Vd, H), not a weight
-        self.chunk_tokens = chunk_tokens
+        self.chunk_tokens, self.options = chunk_tokens, options
 
     def forward(self, batch: dict | None):
-        loss, stats = (ttt_loss(self.drafter, self.head, batch, self.depth, self.chunk_tokens) if batch is not None
-                       else (0.0, []))
+        loss, stats = (ttt_loss(self.drafter, self.head, batch, self.depth, self.chunk_tokens, **self.options)
+                       if batch is not None else (0.0, []))
         if not torch.is_tensor(loss):
             loss = sum(p.sum() for p in self.parameters() if p.requires_grad) * 0.0
         return loss, stats
@@ -504,7 +552,9 @@ def train(config: TrainConfig, world: World) -> TrainResult:
     resuming = (ckpt / "state.pt").exists()
     if resuming:
         drafter.load_state_dict(load_file(str(ckpt / "model.safetensors")))
-    model = parallelize(TTTObjective(drafter, head, config.ttt_depth, config.loss_chunk_tokens), config.parallel, world)
+    objective = TTTObjective(drafter, head, config.ttt_depth, config.loss_chunk_tokens, target_cache_mb=config.target_cache_mb,
+                             attn_impl=config.attn_impl, compile_loss=config.compile_loss)
+    model = parallelize(objective, config.parallel, world)
     params = [p for p in drafter.parameters() if p.requires_grad]  # after parallelize: FSDP swaps them
     opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95))
     per_step = world.size * config.grad_accum

@@ -1,4 +1,6 @@
+import pytest
 import torch
+import torch.nn.attention.flex_attention as flex_module
 
 from draftsmith.draft import DraftConfig, Eagle3Drafter
 
@@ -60,3 +62,81 @@ def test_init_from_target_copies_embedding_and_head_rows():
     assert drafter.t2d.sum() == 50 and drafter.t2d[ids].all()
     assert not drafter.embed_tokens.weight.requires_grad
     assert isinstance(drafter, Eagle3Drafter)
+
+
+@pytest.fixture
+def flex_backward_on_cpu(monkeypatch):
+    """torch refuses flex_attention's backward on the CPU by a device check; the unfused implementation
+    behind it is plain autograd on any device, so lifting the check lets a CPU test compare gradients."""
+    monkeypatch.setattr(flex_module, "_validate_device", lambda q, k, v: None)
+
+
+def ttt_outputs_and_grads(drafter, ids, aux, depth, attn_impl, **packing):
+    drafter.zero_grad(set_to_none=True)
+    outs = drafter.ttt(ids, aux, depth, attn_impl=attn_impl, **packing)
+    weights = torch.Generator().manual_seed(0)  # a loss that weighs every output differently
+    sum(o.mul(torch.randn(o.shape, generator=weights).to(o.device)).sum() for o in outs).backward()
+    return [o.detach() for o in outs], {n: p.grad for n, p in drafter.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.filterwarnings("ignore:.*flex_attention called without torch.compile")
+def test_flex_ttt_attention_matches_eager(flex_backward_on_cpu):
+    """flex_attention over [K0; K1; ...; Kj] gives the outputs of every step and the gradients of every
+    weight of the materialised path: packed rows (segments, restarting positions, a padding segment),
+    T not a multiple of flex's 128-row blocks, grouped-query heads, 4 steps."""
+    target = tiny_native()
+    assert target.args.num_heads != target.args.num_kv_heads
+    drafter = tiny_drafter(target, draft_vocab=100)
+    torch.manual_seed(0)
+    B, T, depth = 2, 200, 4
+    ids, aux = torch.randint(0, 320, (B, T)), torch.randn(B, T, 192)
+    lengths = [[70, 90, 40], [150, 30]]  # row 1 ends with 20 padding tokens, as pack() lays them out
+    seg, pos = torch.full((B, T), -1), torch.zeros(B, T, dtype=torch.long)
+    for b, row in enumerate(lengths):
+        starts = [sum(row[:i]) for i in range(len(row))]
+        for i, (s, n) in enumerate(zip(starts, row)):
+            seg[b, s:s + n], pos[b, s:s + n] = i, torch.arange(n)
+    packing = dict(position_ids=pos, segment_ids=seg)
+    for kw in (packing, {}):
+        assert_flex_matches_eager(drafter, ids, aux, depth, **kw)
+
+
+def assert_flex_matches_eager(drafter, ids, aux, depth, **packing):
+    eager, grads_eager = ttt_outputs_and_grads(drafter, ids, aux, depth, "eager", **packing)
+    flex, grads_flex = ttt_outputs_and_grads(drafter, ids, aux, depth, "flex", **packing)
+    assert len(flex) == depth
+    for a, b in zip(eager, flex):
+        assert (a - b).abs().max() <= 1e-5 * a.abs().max()
+    assert grads_eager.keys() == grads_flex.keys() and "fc.weight" in grads_eager
+    for n, g in grads_eager.items():  # sums over all rows: fp32 rounding relative to the largest entry
+        assert (g - grads_flex[n]).abs().max() <= 1e-5 * g.abs().max(), n
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled flex kernel needs a CUDA device")
+def test_compiled_flex_ttt_matches_eager_and_compiles_once_for_all_lengths():
+    """What training runs on CUDA: the compiled flex kernel gives the outputs and gradients of the
+    materialised path (fp32), and once two lengths have been seen, packs of other lengths T (not
+    multiples of 128) compile nothing more: dynamic shapes, not one compile per pack."""
+    from torch._dynamo.utils import counters
+    drafter = tiny_drafter(tiny_native(), draft_vocab=100).cuda()
+
+    def check(T):
+        torch.manual_seed(T)
+        ids, aux = torch.randint(0, 320, (2, T), device="cuda"), torch.randn(2, T, 192, device="cuda")
+        cut = torch.arange(T, device="cuda") >= T // 3  # two packed samples per row
+        seg, pos = cut.long().expand(2, T), torch.where(cut, torch.arange(T, device="cuda") - T // 3, torch.arange(T, device="cuda"))
+        assert_flex_matches_eager(drafter, ids, aux, 3, position_ids=pos.expand(2, T), segment_ids=seg)
+
+    check(200)
+    check(333)
+    graphs = counters["stats"]["unique_graphs"]
+    for T in (457, 129, 300):
+        check(T)
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_ttt_attention_impl_is_checked():
+    drafter = tiny_drafter(tiny_native())
+    with pytest.raises(ValueError, match="attn_impl"):
+        drafter.ttt(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, 192), 2, attn_impl="sdpa")

@@ -5,9 +5,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from draftsmith import train
 from draftsmith.extract import HiddenStates
-from draftsmith.train import (TrainConfig, accept_length, batches, build_drafter, pack, run, steps, target_features,
-                             ttt_loss)
+from draftsmith.train import (TrainConfig, accept_length, batches, build_drafter, pack, run, scored, steps,
+                             target_features, ttt_loss)
 from draftsmith.target import load_target
 
 
@@ -19,9 +20,9 @@ def drafter_and_head(tiny_target_dir, tiny_hidden, vocab: int = 128, depth: int 
     return drafter, target.model.lm_head.weight[drafter.to_target(torch.arange(vocab))].detach(), data
 
 
-def loss_and_grads(drafter, head, batch, depth, chunk_tokens=None):
+def loss_and_grads(drafter, head, batch, depth, chunk_tokens=None, **options):
     drafter.zero_grad(set_to_none=True)
-    loss, stats = ttt_loss(drafter, head, batch, depth, chunk_tokens)
+    loss, stats = ttt_loss(drafter, head, batch, depth, chunk_tokens, **options)
     loss.backward()
     return loss.detach(), stats, {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}
 
@@ -116,14 +117,18 @@ def test_packed_rows_match_one_concatenated_row(tiny_target_dir, tiny_hidden):
     assert_same_step(a, b)
 
 
-def test_chunked_loss_matches_one_chunk_and_keeps_no_vocab_sized_tensor(tiny_target_dir, tiny_hidden):
+@pytest.mark.parametrize("options", [{}, {"target_cache_mb": 0}, pytest.param(
+    {"compile_loss": True}, marks=pytest.mark.filterwarnings("ignore:.*torch.jit.script_method"))], ids=["cached", "per-chunk", "compiled"])
+def test_chunked_loss_matches_one_chunk_and_keeps_no_vocab_sized_tensor(options, tiny_target_dir, tiny_hidden):
     """Checkpointed chunks of 16 scored tokens give the loss and gradients of one chunk, and the
-    autograd graph then saves no (tokens, Vd) tensor: backward recomputes them chunk by chunk."""
+    autograd graph then saves no (tokens, Vd) tensor: backward recomputes them chunk by chunk. So with
+    the target's log-probs kept for the pack or recomputed per chunk, and with the KL compiled (what
+    CUDA runs; inductor on the CPU here, a few seconds per compile) against the eager one."""
     vocab = 100  # no other saved matrix is this wide
     drafter, head, data = drafter_and_head(tiny_target_dir, tiny_hidden, vocab=vocab)
     batch = pack([[data[0], data[1]], [data[2]]], "cpu")
 
-    def vocab_sized_saved(chunk_tokens):
+    def vocab_sized_saved(chunk_tokens, **options):
         saved = []
 
         def keep(t):
@@ -131,13 +136,53 @@ def test_chunked_loss_matches_one_chunk_and_keeps_no_vocab_sized_tensor(tiny_tar
                 saved.append(tuple(t.shape))
             return t
         with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-            result = loss_and_grads(drafter, head, batch, 3, chunk_tokens)
+            result = loss_and_grads(drafter, head, batch, 3, chunk_tokens, **options)
         return result, saved
 
-    (whole, saved_whole), (chunked, saved_chunked) = vocab_sized_saved(None), vocab_sized_saved(16)
+    (whole, saved_whole), (chunked, saved_chunked) = vocab_sized_saved(None, **options), vocab_sized_saved(16, **options)
     assert all(n > 16 for _, _, n in whole[1])  # every step really splits
     assert saved_whole and not saved_chunked
     assert_same_step(whole, chunked)
+    if options:
+        assert_same_step(vocab_sized_saved(None)[0], whole)
+
+
+def test_target_log_probs_are_computed_once_per_pack(tiny_target_dir, tiny_hidden, monkeypatch):
+    """Step j scores row t against target row t+1+j: the rows of all steps overlap, so each distinct
+    target row's (Vd,) log-probs are computed once per pack, and the loss, stats and gradients are
+    those of recomputing them per step and chunk (target_cache_mb=0, the fallback past the limit)."""
+    drafter, head, data = drafter_and_head(tiny_target_dir, tiny_hidden, vocab=100)
+    batch = pack([[data[0], data[1]], [data[2]]], "cpu")
+    computed, target_logp = [], train.target_logp
+    monkeypatch.setattr(train, "target_logp", lambda h, final: computed.append(len(final)) or target_logp(h, final))
+    where = scored(batch["segment_ids"], batch["loss_mask"].bool(), 3).flatten(1)
+    hit = where.nonzero()
+    distinct = len(set((hit[:, 1] + 1 + hit[:, 0]).tolist()))
+    for chunk in (None, 16):
+        computed.clear()
+        once = loss_and_grads(drafter, head, batch, 3, chunk)
+        assert sum(computed) == distinct < len(hit) / 2
+        computed.clear()
+        per_chunk = loss_and_grads(drafter, head, batch, 3, chunk, target_cache_mb=0)
+        assert sum(computed) == len(hit) * (2 if chunk else 1)  # checkpointed chunks recompute in backward
+        assert_same_step(once, per_chunk)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled CUDA paths need a CUDA device")
+def test_cuda_default_paths_match_the_old_ones(tiny_target_dir, tiny_hidden):
+    """On CUDA ttt_loss picks compiled flex attention, the target's log-probs once per pack and the
+    compiled KL: in fp32 they give the loss, stats and gradients of the old paths (materialised
+    attention, log-probs per chunk, eager KL), chunked or not; under bf16 autocast a loss close to theirs."""
+    drafter, head, data = drafter_and_head(tiny_target_dir, tiny_hidden, vocab=100)
+    drafter, head = drafter.cuda(), head.cuda()
+    batch = pack([[data[0], data[1]], [data[2]]], "cuda")
+    old = {"attn_impl": "eager", "target_cache_mb": 0, "compile_loss": False}
+    for chunk in (None, 16):
+        assert_same_step(loss_and_grads(drafter, head, batch, 3, chunk, **old), loss_and_grads(drafter, head, batch, 3, chunk))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        (a, _, _), (b, _, _) = loss_and_grads(drafter, head, batch, 3, 16, **old), loss_and_grads(drafter, head, batch, 3, 16)
+    assert abs(a - b) <= 2e-2 * abs(a)
 
 
 def test_simulated_accept_length():
