@@ -58,12 +58,14 @@ def phase_train(a):
     print(json.dumps(res), flush=True)
     cfg = dict(target=a.gguf, data=g.path, online=True, device=a.device, target_dtype=a.dtype, ttt_depth=a.depth,
                draft_vocab_size=a.vocab, lr=a.lr, batch_tokens=a.batch_tokens, rows_per_pack=a.rows_per_pack,
-               loss_chunk_tokens=a.loss_chunk, eval_fraction=0.02, save_every=10**9)
+               loss_chunk_tokens=a.loss_chunk, eval_fraction=0.02, save_every=10**9, attn_impl=a.attn_impl,
+               compile_loss=a.compile_loss)
     if a.train_steps:  # the step count from an earlier probe of the same settings
         steps = a.train_steps
     else:
-        probe = train.run(train.TrainConfig(out=str(RUN / f"probe{a.tag}"), max_steps=12, **cfg))
-        step_s = probe.loop_seconds / 12
+        probe = train.run(train.TrainConfig(out=str(RUN / f"probe{a.tag}"), max_steps=20, **cfg))
+        logged = [json.loads(line) for line in open(Path(probe.out) / "metrics.jsonl")]
+        step_s = statistics.median(r["seconds"] for r in logged if r.get("step", 0) > 8)  # compilation left out
         res.update(probe_peak_gb=round(torch.cuda.max_memory_allocated() / 2**30, 1), probe_step_s=round(step_s, 4))
         steps = max(50, int(a.train_seconds / max(step_s, 1e-3)))
     res.update(schedule_steps=steps)
@@ -412,7 +414,7 @@ def train_8b(name):
 def phase_ttt(a):
     """Only the 8B-shape drafter training, on each of TTT_PATHS: the new default against the old paths."""
     res = {"phase": "ttt", "command": " ".join(sys.argv), "commit": git_commit(), "device": device_name(a.device)}
-    for name in TTT_PATHS:
+    for name in a.ttt_paths.split(","):
         t = time.perf_counter()
         try:
             train_8b(name)(a, res)
@@ -478,6 +480,9 @@ def main():
     ap.add_argument("--train-steps", type=int, help="schedule steps (skips the timing probe)")
     ap.add_argument("--train-seconds", type=float, default=170)
     ap.add_argument("--depth", type=int, default=7)
+    ap.add_argument("--ttt-paths", default=",".join(TTT_PATHS), help="ttt: which of TTT_PATHS to time")
+    ap.add_argument("--attn-impl", default="auto", help="train: TTT attention (auto | eager | flex)")
+    ap.add_argument("--compile-loss", action=argparse.BooleanOptionalAction, default=None, help="train: compiled KL (default: on CUDA)")
     ap.add_argument("--ttt-rows", type=int, default=1, help="rows of 2048 tokens in the 8B-shape training step")
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--lr", type=float, default=5e-4)

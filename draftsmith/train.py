@@ -587,7 +587,8 @@ def train(config: TrainConfig, world: World) -> TrainResult:
             seconds, tokens = time.perf_counter() - t_step, sum(pack_tokens(p) for p in packs)
             loop_seconds += seconds
             s = summarize(stats)
-            log.write(json.dumps({"step": state["step"], "lr": sched.get_last_lr()[0], **s}) + "\n")
+            log.write(json.dumps({"step": state["step"], "lr": sched.get_last_lr()[0], **s, "tokens": tokens,
+                                  "seconds": round(seconds, 4)}) + "\n")
             tb.add("train", {**s, "lr": sched.get_last_lr()[0], "tokens_per_s": tokens / seconds}, state["step"])
             if bar:
                 bar.update(1, tokens=tokens, loss=s["loss"][0], acc0=s["acc"][0], tau=s["accept_length"])
