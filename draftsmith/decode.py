@@ -791,7 +791,9 @@ def decode_tree(model: Transformer, drafter: Eagle3Drafter, prompt: torch.Tensor
     model.setup_caches(1, T + max_new + spec.num_draft_tokens + 2)
     drafter.setup_caches(1, T + max_new + spec.steps * spec.topk + 2)
     draft, verify = draft_greedy(drafter, spec), verify_greedy(model, drafter, spec)
-    keys = ("tree-draft", spec, drafter.max_len), ("tree-verify", spec, model.max_len, drafter.max_len)
+    # a graph bakes in its modules and their cache buffers (replaced only when they grow)
+    keys = (("tree-draft", spec, id(drafter), drafter.max_len),
+            ("tree-verify", spec, id(model), model.max_len, id(drafter), drafter.max_len))
     sync(dev)
     t0 = time.perf_counter()
     pending, first = prefill(model, prompt, drafter.cfg.aux_layer_ids)
