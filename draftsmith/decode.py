@@ -1,9 +1,11 @@
 """The decode engine: plain greedy decoding and EAGLE-3 chain speculation on one static cache.
 
 Reads top to bottom: sample -> generate_batch (many prompts, for regenerating training data)
--> prefill -> decode_plain -> draft_chain -> verify -> decode_chain -> draft_tree -> verify_tree
--> decode_tree (EAGLE-2 style: top-k expansion, rerank by cumulative draft probability, verify
-the best N nodes in one target pass under a tree attention mask).
+-> prefill -> decode_plain -> draft_chain -> verify -> decode_chain -> (lossless sampling)
+-> draft_tree -> verify_tree -> decode_tree_sampled (host-driven trees) -> draft_greedy ->
+verify_greedy -> decode_tree (EAGLE-2 style at temperature 0, resident on the device: top-k
+expansion, rerank by cumulative draft probability, verify the best N nodes in one target pass
+under a tree attention mask).
 Both paths run the same target forward (static KV cache, explicit slots), so a speed
 comparison between them measures speculation and nothing else, and at temperature 0 the
 speculative output must equal the plain output token for token.
@@ -632,7 +634,8 @@ def decode_tree_sampled(model: Transformer, drafter: Eagle3Drafter, prompt: torc
 def tree_loop(model: Transformer, drafter: Eagle3Drafter, prompt: torch.Tensor, max_new: int, spec: TreeSpec, eos_ids,
               graphs: Graphs, temperature: float = 0.0, top_p: float = 1.0, generator=None) -> Generation:
     """The host-driven tree loop: draft a tree, verify it, commit the accepted path, catch the drafter
-    up on it. decode_tree_sampled's loop; at temperature 0 the reference decode_tree is tested against."""
+    up on it. decode_tree_sampled's loop; at temperature 0 the host reference for decode_tree (the
+    same trees and output, ties aside)."""
     dev = prompt.device
     T = prompt.shape[1]
     capture = drafter.cfg.aux_layer_ids

@@ -253,6 +253,25 @@ def test_device_verify_commits_the_path_and_keeps_live_slots(target):
             assert (c.v[:, :, :live] - r.v[:, :, :live]).abs().max() < 1e-4
 
 
+def test_device_steps_trace_as_one_graph(target):
+    """The CPU stand-in for CUDA-graph capture: draft_greedy and verify_greedy trace whole under
+    torch.compile(fullgraph=True), so they hold no host read (.item(), .tolist()), no data-dependent
+    shape (nonzero, boolean-mask indexing) and no Python branch on tensor values."""
+    drafter, spec = tiny_drafter(target, draft_vocab=200), TreeSpec(2, 3, 5)
+    prompt = torch.randint(3, 320, (1, 8), generator=torch.Generator().manual_seed(0))
+    pending, h = prefilled(target, drafter, prompt)
+    pos = torch.tensor([prompt.shape[1]])
+    try:
+        with torch.no_grad():
+            tree = torch.compile(draft_greedy(drafter, spec), backend="eager", fullgraph=True)(h, pos)
+            assert tree.tokens.tolist() == draft_greedy(drafter, spec)(h, pos).tokens.tolist()
+            out = torch.compile(verify_greedy(target, drafter, spec), backend="eager", fullgraph=True)(
+                pending, tree.tokens, tree.parents, tree.depth, pos)
+            assert out[0].shape == (min(spec.steps, spec.nodes) + 2,)
+    finally:
+        torch._dynamo.reset()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_graphed_tree_on_cuda_equals_plain_and_syncs_once_per_cycle():
