@@ -695,8 +695,9 @@ def draft_greedy(drafter: Eagle3Drafter, spec: TreeSpec):
         tok = drafter.to_target(ids)
         scores, tokens = [score], [tok]
         parents, depths = [torch.full((K,), -1, device=dev)], [torch.ones(K, dtype=torch.long, device=dev)]
-        # the frontier (depth d-1, best first): candidate ids, the drafter output each reads, the tree
-        # slots each attends to (its ancestors' and its own)
+        # the frontier, the K nodes of depth d-1 that level d expands (best first): their candidate ids,
+        # scores and tokens (score, tok), the drafter output each reads, the tree slots each attends to
+        # (its ancestors' and its own)
         front, hidden, seen = torch.arange(K, device=dev), h.expand(1, K, -1), cols == rows  # (K,), (1, K, H), (K, W)
         for d in range(2, steps + 1):
             out = drafter(tok[None], hidden, pos + (d - 2) * K + rows[:, 0], tree_mask(seen, pos, drafter.max_len),
