@@ -1,9 +1,11 @@
 """The decode engine: plain greedy decoding and EAGLE-3 chain speculation on one static cache.
 
 Reads top to bottom: sample -> generate_batch (many prompts, for regenerating training data)
--> prefill -> decode_plain -> draft_chain -> verify -> decode_chain -> draft_tree -> verify_tree
--> decode_tree (EAGLE-2 style: top-k expansion, rerank by cumulative draft probability, verify
-the best N nodes in one target pass under a tree attention mask).
+-> prefill -> decode_plain -> draft_chain -> verify -> decode_chain -> (lossless sampling)
+-> draft_tree -> verify_tree -> decode_tree_sampled (host-driven trees) -> draft_greedy ->
+verify_greedy -> decode_tree (EAGLE-2 style at temperature 0, resident on the device: top-k
+expansion, rerank by cumulative draft probability, verify the best N nodes in one target pass
+under a tree attention mask).
 Both paths run the same target forward (static KV cache, explicit slots), so a speed
 comparison between them measures speculation and nothing else, and at temperature 0 the
 speculative output must equal the plain output token for token.
@@ -376,23 +378,23 @@ class TreeSpec:
         if self.topk < 1 or self.steps < 1 or self.num_draft_tokens < 1:
             raise ValueError("topk, steps and num_draft_tokens must be >= 1")
 
+    @property
+    def nodes(self) -> int:
+        """Nodes verified per cycle: num_draft_tokens, or every drafted candidate when there are fewer
+        (topk children of the root, then topk children of each of topk nodes per further level)."""
+        return min(self.num_draft_tokens, self.topk + (self.steps - 1) * self.topk ** 2)
+
 
 @dataclass
 class DraftTree:
     tokens: torch.Tensor  # (N,) target ids on the device, parents before children, siblings in draft order
-    parents: torch.Tensor  # (N,) CPU: index of the parent node; -1 for children of the root
-    depth: torch.Tensor  # (N,) CPU: 1 for children of the root
+    parents: torch.Tensor  # (N,) index of the parent node; -1 for children of the root
+    depth: torch.Tensor  # (N,) 1 for children of the root; parents and depth on the CPU (draft_tree), the device (draft_greedy)
     q: torch.Tensor | None = None  # sampled trees: (N+1, V) root first, the q each node's children were drawn from
 
     def ancestors(self) -> torch.Tensor:
-        """(N+1, N+1) bool on the CPU, root at index 0: entry [i, j] when j is i or an ancestor of i."""
-        n = len(self.parents)
-        anc = torch.eye(n + 1, dtype=torch.bool)
-        anc[:, 0] = True
-        for i, p in enumerate(self.parents.tolist()):  # parents precede children, so their rows are complete
-            if p >= 0:
-                anc[i + 1] |= anc[p + 1]
-        return anc
+        """(N+1, N+1) bool, root at index 0: entry [i, j] when j is i or an ancestor of i."""
+        return ancestors(self.parents, int(self.depth.max()))
 
     def children(self) -> list[list[int]]:
         """Children of each node (root 0, node i at i + 1), in draft order."""
@@ -400,6 +402,17 @@ class DraftTree:
         for i, p in enumerate(self.parents.tolist()):
             kids[p + 1].append(i + 1)
         return kids
+
+
+def ancestors(parents: torch.Tensor, rounds: int) -> torch.Tensor:
+    """(N+1, N+1) bool, root at index 0: entry [i, j] when j is i or an ancestor of i. parents: (N,)
+    node index of each node's parent, -1 for the root's children; rounds: at least the tree's depth.
+    Each round a row takes in its parent's row: fixed shapes, no host work, on parents' device."""
+    up = torch.cat([parents.new_zeros(1), parents + 1])  # (N+1,) the parent's row; the root is its own parent
+    anc = torch.eye(len(up), dtype=torch.bool, device=parents.device)
+    for _ in range(rounds):
+        anc = anc | anc[up]
+    return anc
 
 
 def masked_step(net, capture=None, head=None):
@@ -609,13 +622,6 @@ def verify_tree(model: Transformer, pending: torch.Tensor, tree: DraftTree, pos:
 
 
 @torch.no_grad()
-def decode_tree(model: Transformer, drafter: Eagle3Drafter, prompt: torch.Tensor, max_new: int, spec: TreeSpec,
-                eos_ids=(), graphs: Graphs | None = None) -> Generation:
-    """EAGLE-2 style tree speculation at temperature 0."""
-    return tree_loop(model, drafter, prompt, max_new, spec, eos_ids, graphs or eager())
-
-
-@torch.no_grad()
 def decode_tree_sampled(model: Transformer, drafter: Eagle3Drafter, prompt: torch.Tensor, max_new: int, tree: TreeSpec,
                         temperature: float, top_p: float = 1.0, eos_ids=(), generator=None) -> Generation:
     """Tree speculation at temperature > 0 whose output is distributed exactly as the target's own
@@ -627,8 +633,9 @@ def decode_tree_sampled(model: Transformer, drafter: Eagle3Drafter, prompt: torc
 
 def tree_loop(model: Transformer, drafter: Eagle3Drafter, prompt: torch.Tensor, max_new: int, spec: TreeSpec, eos_ids,
               graphs: Graphs, temperature: float = 0.0, top_p: float = 1.0, generator=None) -> Generation:
-    """The tree decoding loop both decoders share: draft a tree, verify it, commit the accepted path,
-    catch the drafter up on it."""
+    """The host-driven tree loop: draft a tree, verify it, commit the accepted path, catch the drafter
+    up on it. decode_tree_sampled's loop; at temperature 0 the host reference for decode_tree (the
+    same trees and output, ties aside)."""
     dev = prompt.device
     T = prompt.shape[1]
     capture = drafter.cfg.aux_layer_ids
@@ -655,6 +662,162 @@ def tree_loop(model: Transformer, drafter: Eagle3Drafter, prompt: torch.Tensor, 
         gen.accept_lengths.append(n + 1)
         h = drafter(accepted[None], drafter.fuse(aux), torch.arange(pos, pos + n + 1, device=dev))
         pending, pos = bonus, pos + n + 1
+    sync(dev)
+    gen.tokens = finish(gen.tokens, max_new, eos_ids)[0]
+    gen.seconds = time.perf_counter() - t0
+    return gen
+
+
+# --------------------------------------------------------------------------- greedy trees on the device
+
+
+def tree_mask(anc: torch.Tensor, pos: torch.Tensor, max_len: int) -> torch.Tensor:
+    """(1, 1, R, max_len) bool for R queries over a cache whose slots before pos hold the accepted
+    prefix and whose slots pos..pos+W-1 hold a tree: a query sees the prefix and the tree slots its
+    row of anc (R, W) marks. Later slots hold stale or scratch entries and stay hidden."""
+    off = torch.arange(max_len, device=anc.device) - pos  # (S,) slot offsets from pos
+    tree = anc[:, off.clamp(0, anc.shape[1] - 1)] & (off >= 0) & (off < anc.shape[1])  # (R, S)
+    return ((off < 0) | tree)[None, None]
+
+
+def draft_greedy(drafter: Eagle3Drafter, spec: TreeSpec):
+    """draft_tree at temperature 0 as one fixed-shape device step, so a CUDA graph per spec: draft(h
+    (1, 1, H), pos (1,)) -> DraftTree of spec.nodes nodes, every field on the device. h is the
+    drafter's output for the row before the pending token (at slot pos). Same slots, RoPE positions,
+    expansion and ranking as draft_tree; only ties may break differently."""
+    K, steps, keep = spec.topk, spec.steps, spec.nodes
+    W = (steps - 1) * K  # drafter tree slots pos..pos+W-1: frontier node i of level d writes pos + (d-2)*K + i
+
+    def draft(h, pos):
+        dev = h.device
+        rows, cols = torch.arange(K, device=dev)[:, None], torch.arange(W, device=dev)
+        score, ids = torch.log_softmax(drafter.logits(h[:, -1]), -1)[0].topk(K)  # (K,) the root's children
+        tok = drafter.to_target(ids)
+        scores, tokens = [score], [tok]
+        parents, depths = [torch.full((K,), -1, device=dev)], [torch.ones(K, dtype=torch.long, device=dev)]
+        # the frontier, the K nodes of depth d-1 that level d expands (best first): their candidate ids,
+        # scores and tokens (score, tok), the drafter output each reads, the tree slots each attends to
+        # (its ancestors' and its own)
+        front, hidden, seen = torch.arange(K, device=dev), h.expand(1, K, -1), cols == rows  # (K,), (1, K, H), (K, W)
+        for d in range(2, steps + 1):
+            out = drafter(tok[None], hidden, pos + (d - 2) * K + rows[:, 0], tree_mask(seen, pos, drafter.max_len),
+                          (pos - 2 + d).expand(1, K))  # (1, K, H)
+            logp = torch.log_softmax(drafter.logits(out[0]), -1)  # (K, Vd)
+            score, ids = (score[:, None] + logp).topk(K, dim=-1)  # (K, K): frontier node i's children in row i
+            score, tok = score.flatten(), drafter.to_target(ids.flatten())  # (K*K,)
+            scores.append(score)
+            tokens.append(tok)
+            parents.append(front[:, None].expand(K, K).flatten())
+            depths.append(torch.full((K * K,), d, device=dev))
+            top = score.topk(K).indices  # (K,) the next frontier
+            front, score, tok = K + (d - 2) * K * K + top, score[top], tok[top]
+            hidden, seen = out[:, top // K], seen[top // K] | (cols == (d - 1) * K + rows)
+        score, parent = torch.cat(scores), torch.cat(parents)  # (C,) candidates in (depth, index) order
+        # The best `keep` by cumulative log-probability. A child never scores above its parent (its
+        # log-softmax is <= 0, and float addition is monotone) but ties it when its probability rounds
+        # to 1; the stable sort then ranks the earlier candidate, the parent, first, so no node is kept
+        # without its parent. Sorting the kept ids restores (depth, index) order: parents first.
+        chosen = score.sort(descending=True, stable=True).indices[:keep].sort().values  # (N,)
+        row = torch.full_like(parent, -1).scatter(0, chosen, torch.arange(keep, device=dev))  # candidate -> node
+        up = parent[chosen]
+        return DraftTree(torch.cat(tokens)[chosen], torch.where(up >= 0, row[up.clamp(min=0)], -1), torch.cat(depths)[chosen])
+    return draft
+
+
+def accept_on_device(best: torch.Tensor, tree: DraftTree, anc: torch.Tensor, depth: int):
+    """accept_tree_greedy with fixed shapes. A node is accepted when its token is the target's choice
+    at its parent and its parent is accepted, i.e. when every node from the root to it matches;
+    siblings carry distinct tokens, so the accepted nodes form a path. best: (N+1,) target argmax at
+    root and nodes, anc: ancestors(tree.parents, depth) -> n (1,), the path's length, and rows (depth+1,):
+    the root (0), then the path's node rows (node i is row i+1) by depth, 0 past its end."""
+    ok = torch.cat([best.new_ones(1, dtype=torch.bool), tree.tokens == best[tree.parents + 1]])  # (N+1,)
+    accepted = ~(anc & ~ok).any(-1)  # (N+1,)
+    level = torch.cat([tree.depth.new_zeros(1), tree.depth])  # (N+1,)
+    at = accepted & (level == torch.arange(1, depth + 1, device=best.device)[:, None])  # (depth, N+1) at most one per depth
+    return accepted.sum(0, keepdim=True) - 1, torch.cat([level.new_zeros(1), at.int().argmax(-1)])
+
+
+def verify_greedy(model: Transformer, drafter: Eagle3Drafter, spec: TreeSpec):
+    """verify_tree at temperature 0, the commit and the drafter catch-up as one fixed-shape device
+    step (a CUDA graph per spec): verify(pending (1,), tokens, parents, depth (N,) each, pos (1,)) ->
+    (out (D+2,): n, then the n+1 new tokens padded to D+1; h (1, 1, H) for the next draft; the next
+    pending token (1,); the next pos (1,)). D is the deepest a tree of spec can be."""
+    D, capture = min(spec.steps, spec.nodes), drafter.cfg.aux_layer_ids
+
+    def verify(pending, tokens, parents, depth, pos):
+        dev, tree = tokens.device, DraftTree(tokens, parents, depth)
+        seq = torch.cat([pending, tokens])  # (N+1,) the pending token is the root
+        anc = ancestors(parents, D)  # (N+1, N+1)
+        rope = pos + torch.cat([depth.new_zeros(1), depth])  # a node's position is its depth after pending
+        out = model(seq[None], pos + torch.arange(len(seq), device=dev), tree_mask(anc, pos, model.max_len), rope[None],
+                    capture=capture)
+        best = model.logits(out.hidden[0]).argmax(-1)  # (N+1,)
+        n, rows = accept_on_device(best, tree, anc, D)  # (1,), (D+1,)
+        bonus = best[rows[n]]  # (1,) the target's token after the deepest accepted node
+        new = torch.cat([seq[rows[1:]], bonus]).scatter(0, n, bonus)  # (D+1,) path tokens, bonus at n, junk after
+        # The accepted path's KV to slots pos+1..pos+n. The copy has D rows whatever n is: rows past the
+        # path copy a slot onto itself, and those slots (> pos+n) are scratch the next verify rewrites.
+        dst = pos + 1 + torch.arange(D, device=dev)  # (D,)
+        model.commit(torch.where(dst <= pos + n, pos + rows[1:], dst), dst)
+        # Drafter catch-up, D+1 rows whatever n is: row j reads (features of the node at depth j, the
+        # token after it) at drafter slot pos+j. Rows past n write slots pos+n+1..pos+D, which come
+        # after the next cycle's prefix: hidden from its drafting (tree_mask) and rewritten by its
+        # catch-up before anything reads them; causal, the rows up to n never see them.
+        h = drafter(new[None], drafter.fuse(out.aux[:, rows]), pos + torch.arange(D + 1, device=dev))  # (1, D+1, H)
+        return torch.cat([n, new]), h[:, n], bonus, pos + n + 1
+    return verify
+
+
+def mark(device: torch.device):
+    """A point on the device's timeline that costs no sync: a recorded CUDA event, whose time is read
+    after a later sync, or the host clock on the CPU (synchronous)."""
+    if device.type != "cuda":
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def elapsed(a, b) -> float:
+    return b - a if isinstance(a, float) else a.elapsed_time(b) / 1e3
+
+
+@torch.no_grad()
+def decode_tree(model: Transformer, drafter: Eagle3Drafter, prompt: torch.Tensor, max_new: int, spec: TreeSpec,
+                eos_ids=(), graphs: Graphs | None = None) -> Generation:
+    """EAGLE-2 style tree speculation at temperature 0, resident on the device. A cycle is two
+    fixed-shape steps, draft_greedy then verify_greedy (CUDA graphs when `graphs` is enabled), and one
+    host read of the accepted tokens: the cycle's only sync. draft_seconds and verify_seconds are the
+    two steps' spans on the device timeline (CUDA events read after that sync, so timing adds no
+    sync); verify_seconds includes the commit and the drafter catch-up."""
+    graphs = graphs or eager()
+    dev, T = prompt.device, prompt.shape[1]
+    model.setup_caches(1, T + max_new + spec.num_draft_tokens + 2)
+    drafter.setup_caches(1, T + max_new + spec.steps * spec.topk + 2)
+    draft, verify = draft_greedy(drafter, spec), verify_greedy(model, drafter, spec)
+    # a graph bakes in its modules and their cache buffers (replaced only when they grow)
+    keys = (("tree-draft", spec, id(drafter), drafter.max_len),
+            ("tree-verify", spec, id(model), model.max_len, id(drafter), drafter.max_len))
+    sync(dev)
+    t0 = time.perf_counter()
+    pending, first = prefill(model, prompt, drafter.cfg.aux_layer_ids)
+    h = drafter(torch.cat([prompt[0, 1:], pending])[None], drafter.fuse(first.aux), torch.arange(T, device=dev))[:, -1:]
+    sync(dev)
+    gen = Generation([int(pending)], 0.0, time.perf_counter() - t0)
+    pos = torch.tensor([T], device=dev)
+    done = finish(gen.tokens, max_new, eos_ids)[1]
+    while not done:
+        t = [mark(dev)]
+        tree = graphs(keys[0], draft, h, pos)
+        t.append(mark(dev))
+        out, h, pending, pos = graphs(keys[1], verify, pending, tree.tokens, tree.parents, tree.depth, pos)
+        t.append(mark(dev))
+        n, *new = out.tolist()
+        gen.tokens += new[: n + 1]
+        gen.accept_lengths.append(n + 1)
+        gen.draft_seconds += elapsed(t[0], t[1])
+        gen.verify_seconds += elapsed(t[1], t[2])
+        done = len(gen.tokens) >= max_new or any(x in eos_ids for x in new[: n + 1])
     sync(dev)
     gen.tokens = finish(gen.tokens, max_new, eos_ids)[0]
     gen.seconds = time.perf_counter() - t0

@@ -38,27 +38,28 @@ def tiny_drafter(target: Transformer, draft_vocab: int | None = None, seed: int 
 
 
 class OracleDrafter(Eagle3Drafter):
-    """Proposes oracle[row + 2] (the true continuation) with probability `p_right`, otherwise a
-    wrong token: never / always / sometimes right, to exercise every acceptance path."""
+    """Proposes the true continuation at a fixed random share `p_right` of positions, a wrong token
+    at the others: never / always / sometimes right, to exercise every acceptance path. A drafter row
+    at rotary position r drafts the token at position r + 2 (the chain, tree and catch-up conventions
+    alike); r travels in the row's output, so every row is right or wrong on its own, whichever row
+    the decoder reads (the last of a catch-up, a padded row, a node of a tree level). Tensor ops
+    only: it runs on any device and inside CUDA graphs."""
 
     def __init__(self, cfg: DraftConfig, oracle: list[int], p_right: float, seed: int = 0):
         super().__init__(cfg)
-        self.oracle, self.p_right = oracle, p_right
-        self.gen = torch.Generator().manual_seed(seed)
-        self.row = 0
+        want = torch.tensor(oracle)
+        right = torch.rand(len(oracle), generator=torch.Generator().manual_seed(seed)) < p_right
+        self.register_buffer("proposal", torch.where(right, want, (want + 1) % cfg.vocab_size), persistent=False)
 
     def forward(self, tokens, hidden, input_pos, mask=None, rope_pos=None):
-        self.row = int(input_pos[-1])
-        return torch.zeros(tokens.shape[0], tokens.shape[1], self.cfg.hidden_size)
+        out = hidden.new_zeros(tokens.shape[0], tokens.shape[1], self.cfg.hidden_size)
+        out[..., 0] = input_pos[None] if rope_pos is None else rope_pos
+        return out
 
     def logits(self, hidden):
-        i = self.row + 2
-        want = self.oracle[i] if i < len(self.oracle) else 0
-        right = torch.rand((), generator=self.gen) < self.p_right
-        tok = want if right else (want + 1) % self.cfg.vocab_size
-        out = torch.full((hidden.shape[0], self.cfg.draft_vocab_size), -1e4)
-        out[:, tok] = 0.0
-        return out
+        at = (hidden[..., 0].long() + 2).clamp(max=len(self.proposal) - 1)
+        out = hidden.new_full((*hidden.shape[:-1], self.cfg.draft_vocab_size), -1e4)
+        return out.scatter(-1, self.proposal[at][..., None], 0.0)
 
 
 class BigramTarget:

@@ -66,10 +66,14 @@ def test_greedy_agreement_counts_the_tokens_greedy_decoding_would_pick(target):
 
 # --------------------------------------------------------------------------- trees
 
-from draftsmith.decode import DraftTree, TreeSpec, decode_tree, verify_tree  # noqa: E402
+from draftsmith.decode import (DraftTree, TreeSpec, accept_on_device, accept_tree_greedy, ancestors,  # noqa: E402
+                               decode_tree, draft_greedy, draft_tree, prefill, verify_greedy, verify_tree)
+
+SPECS = {"small": TreeSpec(2, 3, 4), "wide": TreeSpec(4, 5, 16), "chain-like": TreeSpec(1, 4, 4),
+         "all-candidates": TreeSpec(3, 2, 50), "one-step": TreeSpec(3, 1, 2), "shallow-budget": TreeSpec(2, 4, 3)}
 
 
-@pytest.mark.parametrize("spec", [TreeSpec(2, 3, 4), TreeSpec(4, 5, 16), TreeSpec(1, 4, 4)], ids=["small", "wide", "chain-like"])
+@pytest.mark.parametrize("spec", SPECS.values(), ids=SPECS.keys())
 def test_tree_equals_greedy_with_a_random_drafter(target, spec):
     drafter = tiny_drafter(target, draft_vocab=200)
     for seed in range(2):
@@ -88,8 +92,10 @@ def test_tree_equals_greedy_for_stub_drafters(target, p_right):
     spec = TreeSpec(topk=2, steps=4, num_draft_tokens=8)
     out = decode_tree(target, drafter, prompt, 50, spec)
     assert out.tokens == plain.tokens
-    if p_right == 1.0:
-        assert max(out.accept_lengths) == spec.steps + 1
+    if p_right == 1.0:  # the true path is drafted at every depth and survives the rerank
+        assert set(out.accept_lengths[:-1]) == {spec.steps + 1}
+    if p_right == 0.0:
+        assert set(out.accept_lengths) == {1}
 
 
 def test_hand_built_tree_mask_and_commit(target):
@@ -128,6 +134,191 @@ def test_tree_ancestor_matrix():
     tree = DraftTree(torch.tensor([5, 6, 7]), torch.tensor([-1, 0, -1]), torch.tensor([1, 2, 1]))
     anc = tree.ancestors().int().tolist()
     assert anc == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 1]]
+
+
+def prefilled(target, drafter, prompt):
+    """Target and drafter caches holding the prompt, as decoding has them before its first cycle:
+    (the pending token, the drafter's output for the row before it)."""
+    T = prompt.shape[1]
+    target.setup_caches(1, 64)
+    drafter.setup_caches(1, 64)
+    pending, first = prefill(target, prompt, drafter.cfg.aux_layer_ids)
+    h = drafter(torch.cat([prompt[0, 1:], pending])[None], drafter.fuse(first.aux), torch.arange(T))
+    return pending, h[:, -1:]
+
+
+@pytest.mark.parametrize("spec", SPECS.values(), ids=SPECS.keys())
+def test_device_drafting_picks_the_host_tree(target, spec):
+    """Without ties (a random drafter), draft_greedy builds exactly draft_tree's tree: the same
+    nodes in the same order, with the same parents and depths."""
+    drafter = tiny_drafter(target, draft_vocab=200)
+    for seed in range(2):
+        prompt = torch.randint(3, 320, (1, 8), generator=torch.Generator().manual_seed(seed))
+        _, h = prefilled(target, drafter, prompt)
+        T = prompt.shape[1]
+        host = draft_tree(drafter, h, T, spec)
+        dev = draft_greedy(drafter, spec)(h, torch.tensor([T]))
+        assert len(dev.tokens) == spec.nodes
+        assert dev.tokens.tolist() == host.tokens.tolist()
+        assert dev.parents.tolist() == host.parents.tolist() and dev.depth.tolist() == host.depth.tolist()
+
+
+def test_device_drafting_keeps_whole_chains_under_ties(target):
+    """A drafter that is always right with probability 1: every node on the true chain scores exactly
+    0, a child ties its parent. The kept nodes still form a tree (each parent kept, listed before its
+    children) and hold the chain, so with 3 nodes and 5 steps every cycle accepts 3 drafts."""
+    prompt = torch.randint(3, 320, (1, 7), generator=torch.Generator().manual_seed(5))
+    plain = decode_plain(target, prompt, 30)
+    oracle = prompt[0].tolist() + plain.tokens + [0] * 20
+    drafter = OracleDrafter(DraftConfig.from_target(target.args, target.args.vocab_size), oracle, 1.0)
+    drafter.setup_caches(1, 64)
+    T = prompt.shape[1]
+    for spec in (TreeSpec(2, 5, 3), TreeSpec(3, 4, 10)):
+        tree = draft_greedy(drafter, spec)(torch.full((1, 1, drafter.cfg.hidden_size), T - 1.0), torch.tensor([T]))
+        parents, depth = tree.parents.tolist(), tree.depth.tolist()
+        for i, (p, d) in enumerate(zip(parents, depth)):
+            assert p < i and d == (1 if p < 0 else depth[p] + 1)
+        node = -1
+        for d in range(1, min(spec.steps, spec.nodes) + 1):  # the true chain, node by node
+            node = next(i for i, p in enumerate(parents) if p == node and tree.tokens[i] == plain.tokens[d])
+    out = decode_tree(target, drafter, prompt, 30, TreeSpec(2, 5, 3))
+    assert out.tokens == plain.tokens and set(out.accept_lengths[:-1]) == {4}
+
+
+def random_tree(gen: torch.Generator, n: int, vocab: int = 4) -> DraftTree:
+    """n nodes, parents before children, siblings with distinct tokens from a small vocabulary."""
+    parents, depth, tokens, used = [], [], [], {}
+    for i in range(n):
+        p = int(torch.randint(-1, i, (), generator=gen))
+        free = [t for t in range(vocab) if t not in used.setdefault(p, set())]
+        if not free:
+            p, free = -1, [t for t in range(vocab + i + 1) if t not in used[-1]]
+        tok = free[int(torch.randint(len(free), (), generator=gen))]
+        used[p].add(tok)
+        parents.append(p)
+        depth.append(1 if p < 0 else depth[p] + 1)
+        tokens.append(tok)
+    return DraftTree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(depth))
+
+
+def test_device_acceptance_matches_the_host_walk():
+    """accept_on_device == accept_tree_greedy on random trees whose target choices often match (small
+    vocabulary), also with a depth bound larger than the tree's (rows past the path are the root)."""
+    gen = torch.Generator().manual_seed(0)
+    lengths = set()
+    for _ in range(300):
+        tree = random_tree(gen, int(torch.randint(1, 12, (), generator=gen)))
+        best = torch.randint(0, 4, (len(tree.tokens) + 1,), generator=gen)
+        path, bonus = accept_tree_greedy(best, tree)
+        D = int(tree.depth.max()) + int(torch.randint(0, 3, (), generator=gen))
+        n, rows = accept_on_device(best, tree, ancestors(tree.parents, D), D)
+        assert n.tolist() == [len(path)] and rows.tolist() == [0] + path + [0] * (D - len(path))
+        assert int(best[rows[n]]) == int(bonus)
+        lengths.add(len(path))
+    assert {0, 1, 2, 3} <= lengths
+
+
+def test_device_verify_commits_the_path_and_keeps_live_slots(target):
+    """verify_greedy on a hand-built tree accepting 2, 1 or 0 nodes (of depth up to 3): it returns the
+    path and the bonus token; its fixed-size commit and catch-up leave the prefix slots of both caches
+    untouched and make slots up to pos+n what plain causal passes over the accepted sequence write,
+    and its drafter output is that of the catch-up row reading the bonus token."""
+    drafter = tiny_drafter(target)
+    prompt = torch.randint(3, 320, (1, 6), generator=torch.Generator().manual_seed(3))
+    g = decode_plain(target, prompt, 6).tokens  # greedy continuation g0 g1 g2 ...
+    T, spec = prompt.shape[1], TreeSpec(3, 3, 7)  # at most 7 nodes, depth 3: a 3-row commit, a 4-row catch-up
+    x1, x2 = (g[1] + 1) % 320, (g[2] + 1) % 320
+    for tokens, n_want in [([g[1], 7, 9, g[2], 5, 11, 13], 2), ([g[1], 7, 9, x2, 5, 11, 13], 1), ([x1, 7, 9, g[2], 5, 11, 13], 0)]:
+        tree = DraftTree(torch.tensor(tokens), torch.tensor([-1, -1, -1, 0, 0, 1, 3]), torch.tensor([1, 1, 1, 2, 2, 2, 3]))
+        pending, h = prefilled(target, drafter, prompt)
+        draft_greedy(drafter, spec)(h, torch.tensor([T]))  # a cycle's drafting scribbles on the drafter's tree slots
+        caches = [layer.self_attn.kv_cache for layer in target.layers] + [drafter.midlayer.self_attn.kv_cache]
+        before = [(c.k.clone(), c.v.clone()) for c in caches]
+        out, h, nxt, pos = verify_greedy(target, drafter, spec)(pending, tree.tokens, tree.parents, tree.depth, torch.tensor([T]))
+        n = int(out[0])
+        assert n == n_want and out[1 : n + 2].tolist() == g[1 : n + 2] and int(nxt) == g[n + 1] and int(pos) == T + n + 1
+        # reference: causal passes over prompt + accepted tokens, in fresh caches
+        seq = torch.cat([prompt[0], torch.tensor(g[: n + 1])])[None]  # (1, T+n+1)
+        ref, ref_drafter = tiny_native(), tiny_drafter(target)
+        ref.setup_caches(1, 64)
+        ref_drafter.setup_caches(1, 64)
+        aux = ref(seq, torch.arange(seq.shape[1]), capture=drafter.cfg.aux_layer_ids).aux
+        ref_h = ref_drafter(torch.cat([seq[0, 1:], nxt])[None], ref_drafter.fuse(aux), torch.arange(seq.shape[1]))
+        assert (h[0, -1] - ref_h[0, -1]).abs().max() < 1e-4
+        refs = [layer.self_attn.kv_cache for layer in ref.layers] + [ref_drafter.midlayer.self_attn.kv_cache]
+        live = T + n + 1
+        for c, r, (k0, v0) in zip(caches, refs, before):
+            assert torch.equal(c.k[:, :, :T], k0[:, :, :T]) and torch.equal(c.v[:, :, :T], v0[:, :, :T])
+            assert (c.k[:, :, :live] - r.k[:, :, :live]).abs().max() < 1e-4
+            assert (c.v[:, :, :live] - r.v[:, :, :live]).abs().max() < 1e-4
+
+
+def test_device_steps_trace_as_one_graph(target):
+    """The CPU stand-in for CUDA-graph capture: draft_greedy and verify_greedy trace whole under
+    torch.compile(fullgraph=True), so they hold no host read (.item(), .tolist()), no data-dependent
+    shape (nonzero, boolean-mask indexing) and no Python branch on tensor values."""
+    drafter, spec = tiny_drafter(target, draft_vocab=200), TreeSpec(2, 3, 5)
+    prompt = torch.randint(3, 320, (1, 8), generator=torch.Generator().manual_seed(0))
+    pending, h = prefilled(target, drafter, prompt)
+    pos = torch.tensor([prompt.shape[1]])
+    try:
+        with torch.no_grad():
+            tree = torch.compile(draft_greedy(drafter, spec), backend="eager", fullgraph=True)(h, pos)
+            assert tree.tokens.tolist() == draft_greedy(drafter, spec)(h, pos).tokens.tolist()
+            out = torch.compile(verify_greedy(target, drafter, spec), backend="eager", fullgraph=True)(
+                pending, tree.tokens, tree.parents, tree.depth, pos)
+            assert out[0].shape == (min(spec.steps, spec.nodes) + 2,)
+    finally:
+        torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_graphed_tree_on_cuda_equals_plain_and_syncs_once_per_cycle():
+    """On CUDA decode_tree's two steps are captured as CUDA graphs (capture fails on any sync or
+    host copy inside them), the output equals plain greedy decoding in fp32, and once captured a
+    cycle makes one synchronizing call (sync debug mode counts them)."""
+    import warnings
+
+    from draftsmith.cudagraph import Graphs
+
+    target = tiny_native().cuda()
+    prompt = torch.randint(3, 320, (1, 7), generator=torch.Generator().manual_seed(5)).cuda()
+    plain = decode_plain(target, prompt, 60, graphs=Graphs(True))
+    oracle = prompt[0].tolist() + plain.tokens + [0] * 20
+    drafters = {"random": tiny_drafter(target, draft_vocab=200).cuda(),
+                "oracle": OracleDrafter(DraftConfig.from_target(target.args, target.args.vocab_size), oracle, 0.6).cuda()}
+    for name, drafter in drafters.items():
+        graphs = Graphs(True)
+        for spec in (TreeSpec(4, 5, 16), TreeSpec(2, 4, 3), TreeSpec(1, 3, 3), TreeSpec(3, 1, 2)):
+            assert decode_tree(target, drafter, prompt, 60, spec, graphs=graphs).tokens == plain.tokens, (name, spec)
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    out = decode_tree(target, drafter, prompt, 60, spec, graphs=graphs)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            syncs = [w for w in caught if "synchroniz" in str(w.message)]
+            assert out.tokens == plain.tokens
+            assert len(syncs) <= len(out.accept_lengths) + 3, (name, spec, len(syncs), len(out.accept_lengths))  # + prefill's
+            assert out.draft_seconds > 0 and out.verify_seconds > 0
+            if name == "oracle":
+                assert max(out.accept_lengths) > 2
+
+
+def test_tree_respects_eos_and_max_new(target):
+    """Cuts inside an accepted path: an always-right drafter accepts several tokens per cycle."""
+    prompt = torch.randint(3, 320, (1, 6), generator=torch.Generator().manual_seed(2))
+    plain = decode_plain(target, prompt, 30)
+    oracle = prompt[0].tolist() + plain.tokens + [0] * 20
+    drafter = OracleDrafter(DraftConfig.from_target(target.args, target.args.vocab_size), oracle, 1.0)
+    eos = plain.tokens[10]
+    cut = plain.tokens[: plain.tokens.index(eos) + 1]
+    spec = TreeSpec(2, 4, 6)
+    assert decode_tree(target, drafter, prompt, 30, spec, eos_ids=(eos,)).tokens == cut
+    for max_new in (1, 2, 13):
+        assert decode_tree(target, drafter, prompt, max_new, spec).tokens == plain.tokens[:max_new]
 
 
 # --------------------------------------------------------------------------- sampling
