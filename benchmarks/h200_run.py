@@ -110,7 +110,11 @@ def bench_smollm(a, res):
     target = load_target(a.gguf, a.device, dt)
     model = target.model
     optimize_for(model, a.engine if a.device.startswith("cuda") else "fused")
-    drafter, _ = load_trained(RUN / f"train{a.tag}" / "drafter")
+    if a.drafter:  # an exported drafter carried in (SGLang folder), e.g. an earlier run's
+        from draftsmith.bench import load_any_drafter
+        drafter = load_any_drafter(a.drafter, model.embed_tokens.weight.detach().float().cpu())
+    else:
+        drafter, _ = load_trained(RUN / f"train{a.tag}" / "drafter")
     drafter = drafter.to(a.device, dt).eval()  # Rotary keeps its fp32 tables
     qs = load_eval(Path(a.data) / "eval" / "mt_bench.jsonl")[: a.num_prompts]
     ids = [torch.tensor([prompt_ids(target.tokenizer, q.turns)], device=a.device) for q in qs]
@@ -464,6 +468,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("phase", choices=["train", "bench", "both", "engine", "ttt"])
     ap.add_argument("--tag", default="")
+    ap.add_argument("--drafter", help="bench: an exported drafter folder instead of this run's training output")
     ap.add_argument("--sections", default=",".join(["smollm2_shape", "llama8b_shape", *TTT_PATHS]), help="engine: which sections, in order")
     ap.add_argument("--engine", default="compiled", choices=ENGINE_VARIANTS[1:], help="bench: how the SmolLM2 engine is optimised")
     ap.add_argument("--with-8b", action=argparse.BooleanOptionalAction, default=True)
