@@ -160,7 +160,7 @@ def bench_smollm(a, res):
     sm["tree"]["settings"] = {"topk": tree.topk, "steps": tree.steps, "num_draft_tokens": tree.num_draft_tokens}
     sm["bf16_greedy_agreement_ge_99pct"] = all(sm[n]["greedy_agreement"] >= 0.99 for n in ("chain5", "tree"))
     dump(Path(a.out), "bench.json", res)
-    if hasattr(dec, "decode_tree_sampled"):  # T=1: plain sampling vs lossless tree sampling, same engine
+    if a.t1:  # T=1: plain sampling vs lossless tree sampling, same engine
         try:
             gen = torch.Generator(a.device).manual_seed(0)
             plain1 = [decode_plain(model, x, a.max_new_bench, target.eos_ids, graphs, 1.0, 1.0, gen) for x in ids]
@@ -172,6 +172,8 @@ def bench_smollm(a, res):
             sm["tree_t1_error"] = repr(e)[:500]
         dump(Path(a.out), "bench.json", res)
     try:  # HF transformers generate, bf16, batch 1, on the same folder
+        if not a.hf:
+            raise RuntimeError("skipped (--no-hf)")
         from transformers import AutoModelForCausalLM
         hf = AutoModelForCausalLM.from_pretrained(target.path, dtype=dt).to(a.device).eval()
         x = ids[0]
@@ -468,6 +470,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("phase", choices=["train", "bench", "both", "engine", "ttt"])
     ap.add_argument("--tag", default="")
+    ap.add_argument("--t1", action=argparse.BooleanOptionalAction, default=True, help="bench: also T=1 plain vs tree sampling")
+    ap.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True, help="bench: also HF generate")
     ap.add_argument("--drafter", help="bench: an exported drafter folder instead of this run's training output")
     ap.add_argument("--sections", default=",".join(["smollm2_shape", "llama8b_shape", *TTT_PATHS]), help="engine: which sections, in order")
     ap.add_argument("--engine", default="compiled", choices=ENGINE_VARIANTS[1:], help="bench: how the SmolLM2 engine is optimised")
