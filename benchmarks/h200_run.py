@@ -351,9 +351,9 @@ def bench_smollm2_shape(a, res):
 
 
 TTT_PATHS = {  # section -> ttt_loss options: what training runs on CUDA now, and the paths it replaced
-    "train_8b": {},  # flex attention (compiled), target log-probs once per pack, compiled KL
-    "train_8b_eager_attn": {"attn_impl": "eager"},  # the materialised (B, heads, T, T) attention
-    "train_8b_old": {"attn_impl": "eager", "target_cache_mb": 0, "compile_loss": False},  # all three as before
+    "train_8b": {},  # target log-probs once per pack, compiled KL, materialised attention
+    "train_8b_flex": {"attn_impl": "flex"},  # + compiled flex attention
+    "train_8b_old": {"attn_impl": "eager", "target_cache_mb": 0, "compile_loss": False},  # as before this session
 }
 
 

@@ -14,8 +14,9 @@ with the frozen target head (REFERENCE.md §2):
 each step's KL the mean over its scored tokens in the whole pack. The steps share their target
 rows, so those log-probs are computed once per pack (up to `target_cache_mb`). A step scoring more
 than `loss_chunk_tokens` tokens computes its loss in checkpointed chunks, so the (tokens, Vd) logits
-of a whole pack never exist at once. On CUDA the TTT attention runs through compiled flex_attention
-and the KL through torch.compile (`attn_impl`, `compile_loss`); on the CPU both stay eager. acc_j
+of a whole pack never exist at once. On CUDA the KL runs through torch.compile (`compile_loss`);
+`attn_impl="flex"` runs the TTT attention through compiled flex_attention (less memory; slower on
+the H200 so far, see Eagle3Drafter.ttt). acc_j
 is agreement with the target's greedy token and the simulated accept length is
 1 + sum_k prod_{i<=k} acc_i; rank 0 logs them per step to metrics.jsonl and, when tensorboard is
 installed (the `tb` extra), under <out>/tb. Checkpoints
@@ -89,7 +90,7 @@ class TrainConfig:
     # checkpointed chunks of this many (no (tokens, Vd) logits over the whole pack); 0: never chunk
     target_cache_mb: int = 4096  # the target's draft-vocab log-probs of a pack (fp32, scored rows x Vd) are computed
     # once and kept when they fit in this; beyond, each step's chunks recompute theirs; 0: never kept
-    attn_impl: str = "auto"  # TTT attention: "flex" (compiled on CUDA), "eager" (materialised scores); auto: flex on CUDA
+    attn_impl: str = "auto"  # TTT attention: "flex" (compiled on CUDA), "eager" (materialised scores); auto: eager (faster, measured)
     compile_loss: bool | None = None  # the per-chunk KL through torch.compile; None: on CUDA
     parallel: str = "ddp"  # under torchrun: "ddp" or "fsdp" (FSDP2 fully_shard)
     eval_fraction: float = 0.05

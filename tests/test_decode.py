@@ -303,8 +303,8 @@ def test_graphed_tree_on_cuda_equals_plain_and_syncs_once_per_cycle():
             assert out.tokens == plain.tokens
             assert len(syncs) <= len(out.accept_lengths) + 3, (name, spec, len(syncs), len(out.accept_lengths))  # + prefill's
             assert out.draft_seconds > 0 and out.verify_seconds > 0
-            if name == "oracle":
-                assert max(out.accept_lengths) > 2
+            if name == "oracle":  # right at 60% of positions: some cycle gets past the first draft
+                assert max(out.accept_lengths) > min(2, spec.steps)
 
 
 def test_tree_respects_eos_and_max_new(target):

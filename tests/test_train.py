@@ -171,17 +171,19 @@ def test_target_log_probs_are_computed_once_per_pack(tiny_target_dir, tiny_hidde
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled CUDA paths need a CUDA device")
 def test_cuda_default_paths_match_the_old_ones(tiny_target_dir, tiny_hidden):
-    """On CUDA ttt_loss picks compiled flex attention, the target's log-probs once per pack and the
-    compiled KL: in fp32 they give the loss, stats and gradients of the old paths (materialised
+    """On CUDA ttt_loss's fast paths (compiled flex attention, the target's log-probs once per pack,
+    the compiled KL) give in fp32 the loss, stats and gradients of the old paths (materialised
     attention, log-probs per chunk, eager KL), chunked or not; under bf16 autocast a loss close to theirs."""
     drafter, head, data = drafter_and_head(tiny_target_dir, tiny_hidden, vocab=100)
     drafter, head = drafter.cuda(), head.cuda()
     batch = pack([[data[0], data[1]], [data[2]]], "cuda")
     old = {"attn_impl": "eager", "target_cache_mb": 0, "compile_loss": False}
     for chunk in (None, 16):
-        assert_same_step(loss_and_grads(drafter, head, batch, 3, chunk, **old), loss_and_grads(drafter, head, batch, 3, chunk))
+        assert_same_step(loss_and_grads(drafter, head, batch, 3, chunk, **old),
+                         loss_and_grads(drafter, head, batch, 3, chunk, attn_impl="flex"))
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        (a, _, _), (b, _, _) = loss_and_grads(drafter, head, batch, 3, 16, **old), loss_and_grads(drafter, head, batch, 3, 16)
+        (a, _, _), (b, _, _) = (loss_and_grads(drafter, head, batch, 3, 16, **old),
+                                loss_and_grads(drafter, head, batch, 3, 16, attn_impl="flex"))
     assert abs(a - b) <= 2e-2 * abs(a)
 
 
