@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from draftsmith.target import MLP, Attention, KVCache, ModelArgs, RMSNorm, Rotary, causal_mask
 
@@ -180,7 +180,8 @@ class Eagle3Drafter(nn.Module):
         runs flex_attention (compiled on CUDA; no (T, T) scores in memory). "auto" is eager for now:
         on the H200 at the 8B shape compiled flex took 92 ms of GPU time per training step but 217 ms
         of wall time (building a block mask per step on the host), eager 137 ms
-        (benchmarks/results/h200-pipeline.json, train_8b_flex)."""
+        (benchmarks/results/h200-pipeline.json, train_8b_flex). That was with create_block_mask;
+        broadcast_block_mask has replaced it since, not yet measured on the H200."""
         if attn_impl not in ("auto", "eager", "flex"):
             raise ValueError(f"attn_impl must be 'auto', 'eager' or 'flex', not {attn_impl!r}")
         flex = attn_impl == "flex"
@@ -248,16 +249,7 @@ def ttt_attention_flex(q, ks, vs, segment_ids):
     its segment and, in blocks >= 1, only row t. Grouped-query heads are not repeated (enable_gqa)."""
     B, T = segment_ids.shape
     k, v = torch.cat(ks, dim=2), torch.cat(vs, dim=2)
-    n = torch.arange(k.shape[2], device=q.device)
-    # row and block of each key as tensors: a Python int captured by mask_mod would be a constant
-    # of the compiled kernel and recompile it for every T
-    row, first = n % T, n < T
-
-    def mask_mod(b, h, qi, ki):
-        r = row[ki]
-        return (r == qi) | (first[ki] & (r < qi) & (segment_ids[b, qi] == segment_ids[b, r]))
-
-    mask = create_block_mask(mask_mod, B, None, T, k.shape[2], device=q.device)
+    mask = broadcast_block_mask(ttt_mask_mod(segment_ids, k.shape[2]), B, T, k.shape[2], q.device)
     if not q.is_cuda:  # unfused: materialises the scores, and torch has no CPU backward for it; for tests
         return flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
     flex = compiled_flex_attention()
@@ -266,6 +258,49 @@ def ttt_attention_flex(q, ks, vs, segment_ids):
     # backward has been reported to fail under autocast
     with torch._dynamo.config.patch(recompile_limit=32), torch.autocast("cuda", enabled=False):
         return flex(q, k, v, block_mask=mask, enable_gqa=True)
+
+
+def ttt_mask_mod(segment_ids, kv_len):
+    """mask_mod of ttt_attention_flex: key n (row n % T of step n // T) is visible from query t if it
+    is t's own row of a later step, or a row <= t of step 0 in t's segment."""
+    n = torch.arange(kv_len, device=segment_ids.device)
+    # row and block of each key as tensors: a Python int captured by mask_mod would be a constant
+    # of the compiled kernel and recompile it for every T
+    row, first = n % segment_ids.shape[1], n < segment_ids.shape[1]
+
+    def mask_mod(b, h, qi, ki):
+        r = row[ki]
+        return (r == qi) | (first[ki] & (r < qi) & (segment_ids[b, qi] == segment_ids[b, r]))
+    return mask_mod
+
+
+def broadcast_block_mask(mask_mod, B, q_len, kv_len, device, block=128) -> BlockMask:
+    """create_block_mask(mask_mod, B, None, q_len, kv_len) for a mask_mod that broadcasts (indexing
+    and elementwise ops only) and ignores the head (it gets None). Built from ~20 tensor ops with no
+    host sync instead of create_block_mask's vmap over mask_mod and from_kv_blocks' vmapped transpose,
+    which are host-bound and ran once per TTT step (CPU, T=256, 7 steps: 115 ms -> 10 ms). Costs one
+    transient (B, q_len, kv_len) bool mask on the device. Not cached: every step has its own key
+    length, and autograd keeps each step's mask for the backward, so each is built exactly once."""
+    b = torch.arange(B, device=device)[:, None, None]
+    qi = torch.arange(q_len, device=device)[None, :, None]
+    ki = torch.arange(kv_len, device=device)[None, None, :]
+    dense = mask_mod(b, None, qi, ki)  # (B, q_len, kv_len)
+    nq, nk = -(-q_len // block), -(-kv_len // block)
+    # pad to whole tiles with False, as create_block_mask does: a tile reaching past the end is never full
+    tiles = F.pad(dense, (0, nk * block - kv_len, 0, nq * block - q_len)).view(B, 1, nq, block, nk, block)
+    full = tiles.all(5).all(3)  # (B, 1, nq, nk): no mask_mod needed in the kernel
+    partial = tiles.any(5).any(3) & ~full
+
+    def ordered(tile_mask):  # per row: count, then the column indices of the set tiles first (stable)
+        tile_mask = tile_mask.to(torch.int32)
+        order = tile_mask.argsort(dim=-1, descending=True, stable=True)
+        return tile_mask.sum(-1, dtype=torch.int32), order.to(torch.int32)
+
+    (kv_n, kv_i), (fkv_n, fkv_i) = ordered(partial), ordered(full)
+    (q_n, q_i), (fq_n, fq_i) = ordered(partial.mT), ordered(full.mT)  # the backward's dK, dV walk columns
+    return BlockMask(seq_lengths=(q_len, kv_len), kv_num_blocks=kv_n, kv_indices=kv_i,
+                     full_kv_num_blocks=fkv_n, full_kv_indices=fkv_i, q_num_blocks=q_n, q_indices=q_i,
+                     full_q_num_blocks=fq_n, full_q_indices=fq_i, BLOCK_SIZE=(block, block), mask_mod=mask_mod)
 
 
 def load_drafter(state: dict[str, torch.Tensor], cfg: DraftConfig, embed: torch.Tensor | None = None) -> Eagle3Drafter:

@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.nn.attention.flex_attention as flex_module
 
-from draftsmith.draft import DraftConfig, Eagle3Drafter
+from draftsmith.draft import DraftConfig, Eagle3Drafter, broadcast_block_mask, ttt_mask_mod
 
 from helpers import tiny_drafter, tiny_native
 
@@ -140,3 +140,25 @@ def test_ttt_attention_impl_is_checked():
     drafter = tiny_drafter(tiny_native())
     with pytest.raises(ValueError, match="attn_impl"):
         drafter.ttt(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, 192), 2, attn_impl="sdpa")
+
+
+@pytest.mark.parametrize("T", [100, 128, 200, 300])
+def test_broadcast_block_mask_equals_create_block_mask(T):
+    """The block mask built from tensor ops is create_block_mask's, tensor for tensor (partial and full
+    tiles, both directions): T below, at and not a multiple of the 128-row tiles, packed rows with a
+    padding segment (-1), an unpacked row (full tiles), every step j of a depth-4 TTT."""
+    seg = torch.full((2, T), -1)
+    seg[0, :T // 3], seg[0, T // 3:T - 7] = 0, 1  # row 0: two samples, 7 padding tokens
+    seg[1] = 0  # row 1: one sample, whole causal tiles
+    for j in range(4):
+        kv = (j + 1) * T
+        mod = ttt_mask_mod(seg, kv)
+        ours = broadcast_block_mask(mod, 2, T, kv, "cpu")
+        ref = flex_module.create_block_mask(mod, 2, None, T, kv, device="cpu")
+        assert ours.seq_lengths == ref.seq_lengths and ours.BLOCK_SIZE == ref.BLOCK_SIZE
+        assert torch.equal(ours.to_dense(), ref.to_dense())
+        for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+                     "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
+            assert torch.equal(getattr(ours, name), getattr(ref, name)), (name, j)
+    if T >= 256:  # whole tiles below the diagonal exist (row 1): the full-tile path was exercised
+        assert ref.full_kv_num_blocks.sum() > 0
