@@ -817,8 +817,7 @@ def decode_tree(model: Transformer, drafter: Eagle3Drafter, prompt: torch.Tensor
         gen.accept_lengths.append(n + 1)
         gen.draft_seconds += elapsed(t[0], t[1])
         gen.verify_seconds += elapsed(t[1], t[2])
-        done = len(gen.tokens) >= max_new or any(x in eos_ids for x in new[: n + 1])
+        gen.tokens, done = finish(gen.tokens, max_new, eos_ids)
     sync(dev)
-    gen.tokens = finish(gen.tokens, max_new, eos_ids)[0]
     gen.seconds = time.perf_counter() - t0
     return gen

@@ -16,11 +16,10 @@ rows, so those log-probs are computed once per pack (up to `target_cache_mb`). A
 than `loss_chunk_tokens` tokens computes its loss in checkpointed chunks, so the (tokens, Vd) logits
 of a whole pack never exist at once. On CUDA the KL runs through torch.compile (`compile_loss`);
 `attn_impl="flex"` runs the TTT attention through compiled flex_attention (less memory; slower on
-the H200 so far, see Eagle3Drafter.ttt). acc_j
-is agreement with the target's greedy token and the simulated accept length is
-1 + sum_k prod_{i<=k} acc_i; rank 0 logs them per step to metrics.jsonl and, when tensorboard is
-installed (the `tb` extra), under <out>/tb. Checkpoints
-hold model, optimizer, scheduler, step, data position and RNG state, written atomically;
+the H200 so far, see Eagle3Drafter.ttt). acc_j is agreement with the target's greedy token and
+the simulated accept length is 1 + sum_k prod_{i<=k} acc_i; rank 0 logs them per step to
+metrics.jsonl and, when tensorboard is installed (the `tb` extra), under <out>/tb. Checkpoints hold
+model, optimizer, scheduler, step, data position and RNG state, written atomically;
 rerunning the same command resumes exactly.
 
     python -m draftsmith train --target smollm2-135m --data runs/hs --out runs/draft
