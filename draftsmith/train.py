@@ -98,6 +98,8 @@ class TrainConfig:
     seed: int = 0
     max_steps: int | None = None  # stop early (the schedule still spans all epochs)
     schedule_steps: int | None = None  # train exactly this many steps (epochs repeat as needed), schedule included
+    max_seconds: float | None = None  # stop (checkpointed) after the step that crosses this many seconds of this run;
+    # a rerun resumes with the schedule intact, so a long run can be cut into time-boxed calls
     device: str = "cpu"
     target_dtype: str = "float32"  # online: the target's compute dtype
 
@@ -575,10 +577,15 @@ def train(config: TrainConfig, world: World) -> TrainResult:
     model.train()
     limit = min(config.max_steps or total, total)
     loop_seconds = 0.0
-    while state["epoch"] < epochs and state["step"] < limit:
+
+    def out_of_time() -> bool:  # every rank stops at the same step: rank 0's clock decides
+        return config.max_seconds is not None and gather(world, [time.perf_counter() - t0 > config.max_seconds])[0]
+
+    timed_out = False
+    while state["epoch"] < epochs and state["step"] < limit and not timed_out:
         order = [train_idx[i] for i in torch.randperm(len(train_idx), generator=torch.Generator().manual_seed(config.seed + state["epoch"]))]
         for cursor, packs in steps(data, order, config.batch_tokens, state["cursor"], per_step, config.rows_per_pack):
-            if state["step"] >= limit:
+            if state["step"] >= limit or timed_out:
                 break
             t_step = time.perf_counter()
             stats = train_step(model, params, opt, packs, config, world, featurize)
@@ -596,6 +603,7 @@ def train(config: TrainConfig, world: World) -> TrainResult:
                 log.flush()
                 tb.flush()
                 save_checkpoint(ckpt, drafter, opt, sched, state, world)
+            timed_out = out_of_time()  # after a step: every call makes progress
         else:
             metrics = evaluate(model, data, eval_idx, config, featurize, world)
             state.update(epoch=state["epoch"] + 1, cursor=0)

@@ -74,6 +74,20 @@ def test_resumed_run_matches_an_uninterrupted_one(rows_per_pack, loss_chunk_toke
             run(TrainConfig(out=str(tmp_path / "part"), **{**common, "rows_per_pack": 1}))
 
 
+def test_time_boxed_runs_add_up_to_an_uninterrupted_one(tiny_target_dir, tiny_hidden, tmp_path):
+    """max_seconds=0 stops after every first step, checkpointed; reruns continue the same schedule."""
+    common = dict(target=str(tiny_target_dir), data=str(tiny_hidden), draft_vocab_size=128, ttt_depth=2,
+                  epochs=2, batch_tokens=128, lr=1e-3, save_every=100, eval_fraction=0.2)
+    full = run(TrainConfig(out=str(tmp_path / "full"), **common))
+    boxed = [run(TrainConfig(out=str(tmp_path / "boxed"), max_seconds=0, **common)) for _ in range(2)]
+    assert [r.steps for r in boxed] == [1, 2]  # one step a call (the clock includes loading)
+    while boxed[-1].steps < full.steps:
+        boxed.append(run(TrainConfig(out=str(tmp_path / "boxed"), max_seconds=0, **common)))
+    a = load_file(str(tmp_path / "full" / "checkpoint" / "model.safetensors"))
+    b = load_file(str(tmp_path / "boxed" / "checkpoint" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 @pytest.mark.parametrize("rows_per_pack, tokens", [(1, 192), (2, 96)])
 def test_steps_cut_the_global_pack_sequence(rows_per_pack, tokens, tiny_hidden):
     """A step of W x grad_accum packs takes the next packs of the one global sequence, and its
