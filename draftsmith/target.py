@@ -184,6 +184,36 @@ class KVCache(nn.Module):
         self.v[:, :, dst] = self.v[:, :, src]
 
 
+class Linear(nn.Linear):
+    """nn.Linear whose few-row CPU products run as W @ x^T (small_linear)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return small_linear(x, self.weight, self.bias)
+
+
+SMALL_ROWS = 16  # rows (decode, chain verify, small trees) that small_linear computes as W @ x^T
+
+
+def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias); in fp32 on the CPU, up to SMALL_ROWS rows are computed as W @ x^T
+    with at least two columns. For 2-8 rows MKL's x @ W^T runs ~2x slower than for one, and its
+    one-row gemv streams W at ~13 GB/s on this 2-core EPYC; W @ x^T over 2-8 columns streams it at
+    ~20 GB/s, so a decode step gets faster and a k+1-token verify pass costs about one step
+    (benchmarks/cpu_verify_cost.py). The result is a transposed view: copying it costs more than
+    the strided reads of the elementwise ops after it."""
+    rows = x.numel() // x.shape[-1]
+    if x.device.type != "cpu" or weight.dtype != torch.float32 or rows > SMALL_ROWS:
+        return F.linear(x, weight, bias)
+    h = x.reshape(rows, x.shape[-1])  # (M, K)
+    # row-major h, so that h^T is the transposed view MKL is fast on (~3x slower on h^T contiguous);
+    # one row is sent twice, as a stride-0 expand would be copied into that slow layout
+    h = torch.cat([h, h]) if rows == 1 else h.contiguous()
+    y = (weight @ h.T)[:, :rows].T  # (M, N)
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
 COMPILED_MAX_TOKENS = 64  # query lengths (decode, verify, tree) that run optimize()'s compiled code
 
 
@@ -210,10 +240,10 @@ class Attention(nn.Module):
         in_dim = in_dim or args.hidden_size
         h, kv, d = args.num_heads, args.num_kv_heads, args.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = h, kv, d
-        self.q_proj = nn.Linear(in_dim, h * d, bias=args.attention_bias)
-        self.k_proj = nn.Linear(in_dim, kv * d, bias=args.attention_bias)
-        self.v_proj = nn.Linear(in_dim, kv * d, bias=args.attention_bias)
-        self.o_proj = nn.Linear(h * d, args.hidden_size, bias=False)
+        self.q_proj = Linear(in_dim, h * d, bias=args.attention_bias)
+        self.k_proj = Linear(in_dim, kv * d, bias=args.attention_bias)
+        self.v_proj = Linear(in_dim, kv * d, bias=args.attention_bias)
+        self.o_proj = Linear(h * d, args.hidden_size, bias=False)
         if args.qk_norm:
             self.q_norm = RMSNorm(d, args.rms_norm_eps)
             self.k_norm = RMSNorm(d, args.rms_norm_eps)
@@ -252,9 +282,9 @@ class MLP(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         H, I = args.hidden_size, args.intermediate_size
-        self.gate_proj = nn.Linear(H, I, bias=args.mlp_bias)
-        self.up_proj = nn.Linear(H, I, bias=args.mlp_bias)
-        self.down_proj = nn.Linear(I, H, bias=args.mlp_bias)
+        self.gate_proj = Linear(H, I, bias=args.mlp_bias)
+        self.up_proj = Linear(H, I, bias=args.mlp_bias)
+        self.down_proj = Linear(I, H, bias=args.mlp_bias)
 
     def fuse(self):
         """Inference only: one gate/up matmul instead of two (the state dict then has `gate_up`)."""
@@ -271,7 +301,7 @@ class MLP(nn.Module):
 def concat_linears(*linears: nn.Linear) -> nn.Linear:
     """One Linear whose output is the given layers' outputs side by side (same input)."""
     w = torch.cat([m.weight.detach() for m in linears])
-    out = nn.Linear(w.shape[1], w.shape[0], bias=linears[0].bias is not None, device=w.device, dtype=w.dtype)
+    out = Linear(w.shape[1], w.shape[0], bias=linears[0].bias is not None, device=w.device, dtype=w.dtype)
     with torch.no_grad():
         out.weight.copy_(w)
         if out.bias is not None:
@@ -360,14 +390,7 @@ class Transformer(nn.Module):
         return self.norm(x), torch.cat(aux, dim=-1) if aux else None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        h = hidden.reshape(-1, hidden.shape[-1])  # (N, H)
-        if h.device.type == "cpu" and h.shape[0] <= 16:
-            # MKL's small-M sgemm streams a 49k-row head ~3x slower for 2-16 rows than for one;
-            # W @ h^T reads it once whatever the row count, so verifying k+1 tokens costs ~1 step
-            out = (self.lm_head.weight @ h.T).T
-        else:
-            out = self.lm_head(h)
-        return out.reshape(*hidden.shape[:-1], -1).float()  # (..., V)
+        return small_linear(hidden, self.lm_head.weight).float()  # (..., V)
 
     def optimize(self, compile_backend: str | None = None, scope: str = "layer") -> "Transformer":
         """Inference only: fused qkv and gate/up matmuls, and optionally compiled code for short
