@@ -227,10 +227,11 @@ def attention(q, k, v, mask, scale=None):
     # cache as it lies (no repeated copy of the cache, no fallback to SDPA's unfused math path for
     # masked GQA), softmax in fp32. One path for every short query, so a bf16 tree verify rounds
     # like the one-token step it must agree with.
-    g = q.reshape(B, kv, (h // kv) * T, D)
-    s = (g @ k.transpose(-1, -2)).float() * (scale or D**-0.5)  # (B, kv, rep*T, S)
-    m = mask.expand(B, 1, T, mask.shape[-1]).repeat(1, 1, h // kv, 1)  # rows in (head, t) order, like g
-    p = torch.softmax(s.masked_fill(~m, float("-inf")), dim=-1).to(v.dtype)
+    rep, S = h // kv, k.shape[2]
+    g = q.reshape(B, kv, rep * T, D)
+    s = (g @ k.transpose(-1, -2)).float() * (scale or D**-0.5)  # (B, kv, rep*T, S), rows in (head, t) order
+    s = torch.where(mask[:, :, None], s.view(B, kv, rep, T, S), float("-inf"))  # mask broadcast over heads, not copied
+    p = torch.softmax(s, dim=-1).to(v.dtype).view(B, kv, rep * T, S)
     return (p @ v).reshape(B, h, T, D)
 
 
