@@ -102,6 +102,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one kernel instead of seven (same arithmetic); a step runs two a layer
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -259,6 +261,10 @@ class Attention(nn.Module):
         """q, k, v for x: (B, T, in_dim) -> (B, heads, T, D) each, rotated."""
         B, T, _ = x.shape
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        if hasattr(self, "qkv") and not hasattr(self, "q_norm"):  # q and k heads rotated in one go
+            qk, v = self.qkv(x).view(B, T, h + 2 * kv, d).transpose(1, 2).split([h + kv, kv], dim=1)
+            q, k = apply_rope(qk, cos, sin).split([h, kv], dim=1)  # (B, h|kv, T, D)
+            return q, k, v
         if hasattr(self, "qkv"):
             q, k, v = self.qkv(x).split([h * d, kv * d, kv * d], dim=-1)
         else:
