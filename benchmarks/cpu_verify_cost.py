@@ -2,7 +2,8 @@
 embedded SmolLM2 target in fp32, run as bench runs it on the CPU (fused qkv / gate-up,
 model.optimize()): aux layers captured and logits for every row, as chain verification does;
 also plain decoding's step (one token, no capture). T's are interleaved, so drift on a shared
-host hits them alike; the load average before and after is recorded.
+host hits them alike. The load average and the host's memory bandwidth (a 540 MB sum, what a
+step streams) before and after are recorded: a busy neighbour shows up there first.
 
     python benchmarks/cpu_verify_cost.py                  # writes benchmarks/results/cpu-verify-cost.json
     python benchmarks/cpu_verify_cost.py --compile layer  # torch.compile'd layers (inductor); writes
@@ -25,9 +26,19 @@ from draftsmith.target import load_target
 SIZES = (1, 2, 3, 4, 6)
 
 
+def memory_gb_s() -> float:
+    x = torch.ones(135_000_000)  # 540 MB, the weights a SmolLM2 step reads
+    times = []
+    for _ in range(7):
+        t = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t)
+    return round(x.numel() * 4 / sorted(times)[3] / 1e9, 1)
+
+
 @torch.no_grad()
 def main(compile_scope: str | None = None, rounds: int = 15) -> dict:
-    load_before = os.getloadavg()[0]
+    load_before, bw_before = os.getloadavg()[0], memory_gb_s()
     model = load_target("smollm2-135m").model
     t0 = time.perf_counter()
     model.optimize("inductor" if compile_scope else None, scope=compile_scope or "layer")
@@ -59,7 +70,8 @@ def main(compile_scope: str | None = None, rounds: int = 15) -> dict:
            "median_ms": {str(k): round(ms[k], 1) for k in SIZES},
            "over_one_token": {str(k): round(ms[k] / ms[1], 2) for k in SIZES},
            "plain_step_ms": round(ms["plain"], 1),
-           "load_average_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
+           "load_average_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+           "memory_gb_s": [bw_before, memory_gb_s()]}
     name = "cpu-verify-cost-compiled.json" if compile_scope else "cpu-verify-cost.json"
     (Path(__file__).parent / "results" / name).write_text(json.dumps(res, indent=2) + "\n")
     return res
