@@ -197,19 +197,19 @@ SMALL_ROWS = 16  # rows (decode, chain verify, small trees) that small_linear co
 
 
 def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias); in fp32 on the CPU, up to SMALL_ROWS rows are computed as W @ x^T
-    with at least two columns. For 2-8 rows MKL's x @ W^T runs ~2x slower than for one, and its
-    one-row gemv streams W at ~13 GB/s on this 2-core EPYC; W @ x^T over 2-8 columns streams it at
-    ~20 GB/s, so a decode step gets faster and a k+1-token verify pass costs about one step
-    (benchmarks/cpu_verify_cost.py). The result is a transposed view: copying it costs more than
-    the strided reads of the elementwise ops after it."""
+    """F.linear(x, weight, bias); in fp32 on the CPU, up to SMALL_ROWS rows are computed as W @ x^T.
+    For 2-8 rows MKL's x @ W^T runs ~2x slower than for one, and its one-row gemv streams W at
+    ~13 GB/s on this 2-core EPYC; W @ x^T over 2 or 4 columns streams it at ~20 GB/s (1 and 3 are
+    its slow column counts, so those get a copy of the first row appended), so a decode step gets
+    faster and a k+1-token verify pass costs about one step (benchmarks/cpu_verify_cost.py). The
+    result is a transposed view: copying it costs more than the strided reads of the ops after it."""
     rows = x.numel() // x.shape[-1]
     if x.device.type != "cpu" or weight.dtype != torch.float32 or rows > SMALL_ROWS:
         return F.linear(x, weight, bias)
     h = x.reshape(rows, x.shape[-1])  # (M, K)
-    # row-major h, so that h^T is the transposed view MKL is fast on (~3x slower on h^T contiguous);
-    # one row is sent twice, as a stride-0 expand would be copied into that slow layout
-    h = torch.cat([h, h]) if rows == 1 else h.contiguous()
+    # row-major h, so that h^T is the transposed view MKL is fast on (~3x slower on h^T contiguous;
+    # a stride-0 expand for the extra row would be copied into that layout)
+    h = torch.cat([h, h[:1]]) if rows in (1, 3) else h.contiguous()
     y = (weight @ h.T)[:, :rows].T  # (M, N)
     if bias is not None:
         y = y + bias
