@@ -48,7 +48,7 @@ class BenchConfig:
     warmup: int = 1
     device: str = "cpu"
     dtype: str = "float32"
-    optimize: bool = False  # fused qkv / gate-up matmuls; on CUDA also torch.compile'd decoder layers
+    optimize: bool = False  # CUDA: fused qkv / gate-up matmuls and torch.compile'd decoder layers (the CPU always fuses)
 
     def __post_init__(self):
         if self.draft_tokens < 1 or self.num_prompts < 1 or self.max_new_tokens < 1:
@@ -107,8 +107,9 @@ def load_any_drafter(path: str, embed: torch.Tensor):
 def run(config: BenchConfig) -> BenchResult:
     target = load_target(config.target, config.device, dtype_of(config.dtype))
     model = target.model
-    if config.optimize:
-        model.optimize("inductor" if config.device.startswith("cuda") else None)
+    cuda = config.device.startswith("cuda")
+    if config.optimize or not cuda:  # fusing is free; on the CPU it is ~4 ms of a ~50 ms SmolLM2 step
+        model.optimize("inductor" if cuda else None)
     drafter = load_any_drafter(config.drafter, model.embed_tokens.weight.detach().float().cpu())
     drafter = drafter.to(config.device, dtype_of(config.dtype)).eval()
     if drafter.cfg.vocab_size != model.args.vocab_size or drafter.cfg.target_hidden_size != model.args.hidden_size:

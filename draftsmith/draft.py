@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from draftsmith.target import MLP, Attention, KVCache, ModelArgs, RMSNorm, Rotary, causal_mask
+from draftsmith.target import MLP, Attention, KVCache, Linear, ModelArgs, RMSNorm, Rotary, causal_mask
 
 
 @dataclass(frozen=True)
@@ -111,10 +111,10 @@ class Eagle3Drafter(nn.Module):
         args = cfg.layer_args()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)  # shared with (copied from) the target, frozen
-        self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.fc = Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
         self.midlayer = Midlayer(args)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool) if cfg.draft_vocab_size == cfg.vocab_size
                              else torch.zeros(cfg.vocab_size, dtype=torch.bool))

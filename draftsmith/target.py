@@ -102,6 +102,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one kernel instead of seven (same arithmetic); a step runs two a layer
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -184,6 +186,36 @@ class KVCache(nn.Module):
         self.v[:, :, dst] = self.v[:, :, src]
 
 
+class Linear(nn.Linear):
+    """nn.Linear whose few-row CPU products run as W @ x^T (small_linear)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return small_linear(x, self.weight, self.bias)
+
+
+SMALL_ROWS = 16  # rows (decode, chain verify, small trees) that small_linear computes as W @ x^T
+
+
+def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias); in fp32 on the CPU, up to SMALL_ROWS rows are computed as W @ x^T.
+    For 2-8 rows MKL's x @ W^T runs ~2x slower than for one, and its one-row gemv streams W at
+    ~13 GB/s on this 2-core EPYC; W @ x^T over 2 or 4 columns streams it at ~20 GB/s (1 and 3 are
+    its slow column counts, so those get a copy of the first row appended), so a decode step gets
+    faster and a k+1-token verify pass costs about one step (benchmarks/cpu_verify_cost.py). The
+    result is a transposed view: copying it costs more than the strided reads of the ops after it."""
+    rows = x.numel() // x.shape[-1]
+    if x.device.type != "cpu" or weight.dtype != torch.float32 or rows > SMALL_ROWS:
+        return F.linear(x, weight, bias)
+    h = x.reshape(rows, x.shape[-1])  # (M, K)
+    # row-major h, so that h^T is the transposed view MKL is fast on (~3x slower on h^T contiguous;
+    # a stride-0 expand for the extra row would be copied into that layout)
+    h = torch.cat([h, h[:1]]) if rows in (1, 3) else h.contiguous()
+    y = (weight @ h.T)[:, :rows].T  # (M, N)
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
 COMPILED_MAX_TOKENS = 64  # query lengths (decode, verify, tree) that run optimize()'s compiled code
 
 
@@ -197,10 +229,11 @@ def attention(q, k, v, mask, scale=None):
     # cache as it lies (no repeated copy of the cache, no fallback to SDPA's unfused math path for
     # masked GQA), softmax in fp32. One path for every short query, so a bf16 tree verify rounds
     # like the one-token step it must agree with.
-    g = q.reshape(B, kv, (h // kv) * T, D)
-    s = (g @ k.transpose(-1, -2)).float() * (scale or D**-0.5)  # (B, kv, rep*T, S)
-    m = mask.expand(B, 1, T, mask.shape[-1]).repeat(1, 1, h // kv, 1)  # rows in (head, t) order, like g
-    p = torch.softmax(s.masked_fill(~m, float("-inf")), dim=-1).to(v.dtype)
+    rep, S = h // kv, k.shape[2]
+    g = q.reshape(B, kv, rep * T, D)
+    s = (g @ k.transpose(-1, -2)).float() * (scale or D**-0.5)  # (B, kv, rep*T, S), rows in (head, t) order
+    s = torch.where(mask[:, :, None], s.view(B, kv, rep, T, S), float("-inf"))  # mask broadcast over heads, not copied
+    p = torch.softmax(s, dim=-1).to(v.dtype).view(B, kv, rep * T, S)
     return (p @ v).reshape(B, h, T, D)
 
 
@@ -210,10 +243,10 @@ class Attention(nn.Module):
         in_dim = in_dim or args.hidden_size
         h, kv, d = args.num_heads, args.num_kv_heads, args.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = h, kv, d
-        self.q_proj = nn.Linear(in_dim, h * d, bias=args.attention_bias)
-        self.k_proj = nn.Linear(in_dim, kv * d, bias=args.attention_bias)
-        self.v_proj = nn.Linear(in_dim, kv * d, bias=args.attention_bias)
-        self.o_proj = nn.Linear(h * d, args.hidden_size, bias=False)
+        self.q_proj = Linear(in_dim, h * d, bias=args.attention_bias)
+        self.k_proj = Linear(in_dim, kv * d, bias=args.attention_bias)
+        self.v_proj = Linear(in_dim, kv * d, bias=args.attention_bias)
+        self.o_proj = Linear(h * d, args.hidden_size, bias=False)
         if args.qk_norm:
             self.q_norm = RMSNorm(d, args.rms_norm_eps)
             self.k_norm = RMSNorm(d, args.rms_norm_eps)
@@ -228,6 +261,10 @@ class Attention(nn.Module):
         """q, k, v for x: (B, T, in_dim) -> (B, heads, T, D) each, rotated."""
         B, T, _ = x.shape
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        if hasattr(self, "qkv") and not hasattr(self, "q_norm"):  # q and k heads rotated in one go
+            qk, v = self.qkv(x).view(B, T, h + 2 * kv, d).transpose(1, 2).split([h + kv, kv], dim=1)
+            q, k = apply_rope(qk, cos, sin).split([h, kv], dim=1)  # (B, h|kv, T, D)
+            return q, k, v
         if hasattr(self, "qkv"):
             q, k, v = self.qkv(x).split([h * d, kv * d, kv * d], dim=-1)
         else:
@@ -252,9 +289,9 @@ class MLP(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         H, I = args.hidden_size, args.intermediate_size
-        self.gate_proj = nn.Linear(H, I, bias=args.mlp_bias)
-        self.up_proj = nn.Linear(H, I, bias=args.mlp_bias)
-        self.down_proj = nn.Linear(I, H, bias=args.mlp_bias)
+        self.gate_proj = Linear(H, I, bias=args.mlp_bias)
+        self.up_proj = Linear(H, I, bias=args.mlp_bias)
+        self.down_proj = Linear(I, H, bias=args.mlp_bias)
 
     def fuse(self):
         """Inference only: one gate/up matmul instead of two (the state dict then has `gate_up`)."""
@@ -271,7 +308,7 @@ class MLP(nn.Module):
 def concat_linears(*linears: nn.Linear) -> nn.Linear:
     """One Linear whose output is the given layers' outputs side by side (same input)."""
     w = torch.cat([m.weight.detach() for m in linears])
-    out = nn.Linear(w.shape[1], w.shape[0], bias=linears[0].bias is not None, device=w.device, dtype=w.dtype)
+    out = Linear(w.shape[1], w.shape[0], bias=linears[0].bias is not None, device=w.device, dtype=w.dtype)
     with torch.no_grad():
         out.weight.copy_(w)
         if out.bias is not None:
@@ -360,14 +397,7 @@ class Transformer(nn.Module):
         return self.norm(x), torch.cat(aux, dim=-1) if aux else None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        h = hidden.reshape(-1, hidden.shape[-1])  # (N, H)
-        if h.device.type == "cpu" and h.shape[0] <= 16:
-            # MKL's small-M sgemm streams a 49k-row head ~3x slower for 2-16 rows than for one;
-            # W @ h^T reads it once whatever the row count, so verifying k+1 tokens costs ~1 step
-            out = (self.lm_head.weight @ h.T).T
-        else:
-            out = self.lm_head(h)
-        return out.reshape(*hidden.shape[:-1], -1).float()  # (..., V)
+        return small_linear(hidden, self.lm_head.weight).float()  # (..., V)
 
     def optimize(self, compile_backend: str | None = None, scope: str = "layer") -> "Transformer":
         """Inference only: fused qkv and gate/up matmuls, and optionally compiled code for short

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from draftsmith.target import ModelArgs, Transformer, hf_to_native, load_target, resolve_target
+from draftsmith.target import SMALL_ROWS, ModelArgs, Transformer, hf_to_native, load_target, resolve_target, small_linear
 
 from conftest import make_hf_model
 
@@ -71,6 +71,43 @@ def test_optimized_model_gives_the_same_logits(overrides, scope):
         out = fast(tokens[:, t : t + 1], torch.tensor([t]), capture=(1,))
         assert (model.logits(ref.hidden) - fast.logits(out.hidden)).abs().max() < 1e-5
         assert (ref.aux - out.aux).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 6, SMALL_ROWS, SMALL_ROWS + 1])
+def test_small_linear_is_linear(rows):
+    """The few-row CPU product (W @ x^T, one row sent twice) is F.linear, values and gradients,
+    for 2-d and 3-d inputs, with and without bias, and a strided input."""
+    torch.manual_seed(rows)
+    w = torch.randn(48, 40, requires_grad=True)
+    b = torch.randn(48, requires_grad=True)
+    x = torch.randn(rows, 40, requires_grad=True)
+    for xi, bi in ((x, None), (x[None], b), (x.T.contiguous().T, b)):
+        got, want = small_linear(xi, w, bi), torch.nn.functional.linear(xi, w, bi)
+        assert got.shape == want.shape and (got - want).abs().max() < 1e-5
+        g = torch.randn_like(want)
+        grads = torch.autograd.grad((got * g).sum(), [x, w])
+        ref = torch.autograd.grad((want * g).sum(), [x, w])
+        assert all((a - r).abs().max() < 1e-4 for a, r in zip(grads, ref))
+
+
+def test_fused_cpu_verify_pass_agrees_with_one_token_steps():
+    """What lossless speculation rests on in fp32: a k+1-token verify pass over the cache gives the
+    logits (and greedy tokens) of k+1 one-token steps, in the fused model bench runs on the CPU as
+    in the plain one."""
+    plain = native_from_hf(make_hf_model())
+    fused = native_from_hf(make_hf_model()).optimize()
+    tokens = torch.randint(0, 320, (1, 30))
+    for model in (plain, fused):
+        model.setup_caches(1, 32)
+        model(tokens[:, :20], torch.arange(20))
+        steps = torch.cat([model.logits(model(tokens[:, t : t + 1], torch.tensor([t]), capture=(1,)).hidden)[0]
+                           for t in range(20, 25)])  # (5, V)
+        verify = model.logits(model(tokens[:, 20:25], torch.arange(20, 25), capture=(1,)).hidden)[0]  # (5, V)
+        assert (steps - verify).abs().max() < 1e-5
+        assert torch.equal(steps.argmax(-1), verify.argmax(-1))
+        if model is plain:
+            ref = verify
+    assert (verify - ref).abs().max() < 1e-5
 
 
 def test_default_aux_layers_follow_reference():
