@@ -6,6 +6,11 @@ Phases (run back to back on one warm machine; /tmp carries state between them):
   python benchmarks/h200_run.py bench --gguf /tmp/SmolLM2.gguf --data .device-data --out $OUT
   python benchmarks/h200_run.py ttt --out $OUT [--ttt-rows 8]   # 8B-shape drafter training, new vs old TTT paths
 Each phase writes its JSON under --out as it goes; the last stdout line is a JSON summary.
+
+A training run longer than one device call (10 min): give every call the same --train-steps and a
+--deadline (unix time); training stops checkpointed before it and the next call resumes from /tmp/run
+while the machine is warm. Keep --bring-back drafter (the default) in every call: a machine that is
+given back between calls takes the checkpoint with it, and only what came back under --out survives.
 """
 
 import argparse
