@@ -13,6 +13,7 @@ decoded first and not counted. The last stdout line is the JSON result.
 from __future__ import annotations
 
 import json
+import os
 import platform
 import subprocess
 from collections import Counter
@@ -86,6 +87,9 @@ def device_name(device: str) -> str:
 
 
 def git_commit() -> str:
+    """The checkout's commit; DRAFTSMITH_COMMIT overrides it (a copied tree whose .git is stale)."""
+    if os.environ.get("DRAFTSMITH_COMMIT"):
+        return os.environ["DRAFTSMITH_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               cwd=Path(__file__).parent, check=True).stdout.strip()
