@@ -142,8 +142,8 @@ def bench_smollm(a, res):
     model = target.model
     optimize_for(model, a.engine if a.device.startswith("cuda") else "fused")
     if a.drafter:  # an exported drafter carried in (SGLang folder), e.g. an earlier run's
-        from draftsmith.bench import load_any_drafter
-        drafter = load_any_drafter(a.drafter, model.embed_tokens.weight.detach().float().cpu())
+        from draftsmith.export import load_any
+        drafter = load_any(a.drafter, model.embed_tokens.weight.detach().float().cpu())
     else:
         drafter, _ = load_trained(RUN / f"train{a.tag}" / "drafter")
     drafter = drafter.to(a.device, dt).eval()  # Rotary keeps its fp32 tables

@@ -27,6 +27,7 @@ from draftsmith.data import load_eval, prompt_ids
 from draftsmith.cudagraph import Graphs
 from draftsmith.decode import (TreeSpec, decode_chain, decode_chain_sampled, decode_plain, decode_tree,
                                decode_tree_sampled, greedy_agreement)
+from draftsmith.export import load_any
 from draftsmith.target import load_target
 
 
@@ -97,24 +98,13 @@ def git_commit() -> str:
         return "unknown"
 
 
-def load_any_drafter(path: str, embed: torch.Tensor):
-    from draftsmith.export import load_export, load_trained
-
-    folder = Path(path)
-    if (folder / "config.json").exists() and (folder / "model.safetensors").exists():
-        drafter, _ = load_export(folder, embed)
-        return drafter
-    drafter, _ = load_trained(folder)
-    return drafter
-
-
 def run(config: BenchConfig) -> BenchResult:
     target = load_target(config.target, config.device, dtype_of(config.dtype))
     model = target.model
     cuda = config.device.startswith("cuda")
     if config.optimize or not cuda:  # fusing is free; on the CPU it is ~4 ms of a ~50 ms SmolLM2 step
         model.optimize("inductor" if cuda else None)
-    drafter = load_any_drafter(config.drafter, model.embed_tokens.weight.detach().float().cpu())
+    drafter = load_any(config.drafter, model.embed_tokens.weight.detach().float().cpu())
     drafter = drafter.to(config.device, dtype_of(config.dtype)).eval()
     if drafter.cfg.vocab_size != model.args.vocab_size or drafter.cfg.target_hidden_size != model.args.hidden_size:
         raise ValueError(f"drafter {config.drafter} was built for another target (vocab {drafter.cfg.vocab_size}, "

@@ -13,7 +13,7 @@ sees at inference when it drafts the (j+1)-th token after row t.
 from __future__ import annotations
 
 import functools
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.nn as nn
@@ -135,6 +135,22 @@ class Eagle3Drafter(nn.Module):
     def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor):
         self.d2t.copy_(d2t)
         self.t2d.copy_(t2d)
+
+    def shrink_vocab(self, counts: torch.Tensor, size: int) -> "Eagle3Drafter":
+        """A copy that proposes only the `size` tokens of this draft vocab that `counts` (per target
+        id) finds most frequent: their lm_head rows, d2t and t2d rebuilt. Over the kept tokens its
+        logits are this drafter's; a smaller head makes each draft step cheaper (and the file smaller)."""
+        if not 0 < size <= self.cfg.draft_vocab_size:
+            raise ValueError(f"size must be in 1..{self.cfg.draft_vocab_size} (the current draft vocab), got {size}")
+        ids = self.to_target(torch.arange(self.cfg.draft_vocab_size, device=self.d2t.device)).cpu()
+        keep = torch.sort(-counts.cpu()[ids], stable=True).indices[:size].sort().values  # draft rows, ascending
+        small = Eagle3Drafter(replace(self.cfg, draft_vocab_size=size))
+        state = {k: v.detach().cpu() for k, v in self.state_dict().items()}
+        state["lm_head.weight"] = state["lm_head.weight"][keep]
+        state["d2t"] = ids[keep] - torch.arange(size)
+        state["t2d"] = torch.zeros_like(state["t2d"]).index_fill_(0, ids[keep], True)
+        small.load_state_dict(state)
+        return small.to(self.fc.weight.device, self.fc.weight.dtype)
 
     def init_from_target(self, target) -> "Eagle3Drafter":
         """Copy the target's embedding (frozen), and start norm + lm_head from the target's head

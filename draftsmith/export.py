@@ -347,6 +347,14 @@ def load_trained(folder) -> tuple[Eagle3Drafter, dict]:
     return drafter, json.loads(info.read_text()) if info.exists() else {}
 
 
+def load_any(path, embed: torch.Tensor | None = None) -> Eagle3Drafter:
+    """A drafter from an SGLang export (config.json + model.safetensors) or a trained folder."""
+    folder = Path(path)
+    if (folder / "config.json").exists() and (folder / "model.safetensors").exists():
+        return load_export(folder, embed)[0]
+    return load_trained(folder)[0]
+
+
 # --------------------------------------------------------------------------- stage entry point
 
 

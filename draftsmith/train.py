@@ -57,7 +57,7 @@ from torch.utils.checkpoint import checkpoint
 from draftsmith.common import Progress, dtype_of, write_config
 from draftsmith.data import encode_conversation
 from draftsmith.draft import DraftConfig, Eagle3Drafter
-from draftsmith.export import save_trained
+from draftsmith.export import load_any, save_trained
 from draftsmith.extract import HiddenStates, read_conversations
 from draftsmith.parallel import (World, barrier, close, full_optimizer_state, full_state_dict, gather, init_world,
                                  load_optimizer_state, parallelize, sync_gradients)
@@ -95,6 +95,8 @@ class TrainConfig:
     eval_fraction: float = 0.05
     save_every: int = 100  # optimizer steps between checkpoints
     init_head_from_target: bool = True
+    init: str | None = None  # start from this drafter (a train output's drafter/ or an SGLang export): its weights
+    # and its draft vocab; the target's embedding is copied in as always
     seed: int = 0
     max_steps: int | None = None  # stop early (the schedule still spans all epochs)
     schedule_steps: int | None = None  # train exactly this many steps (epochs repeat as needed), schedule included
@@ -499,7 +501,10 @@ class Scalars:
 
 def build_drafter(cfg: TrainConfig, target, data, train_idx: list[int], aux: tuple[int, ...], device: str | None = None):
     args = target.model.args
-    vocab = build_vocab(count_tokens((data[i] for i in train_idx), args.vocab_size), min(cfg.draft_vocab_size, args.vocab_size))
+    counts = count_tokens((data[i] for i in train_idx), args.vocab_size)
+    if cfg.init:
+        return init_drafter(cfg.init, target, aux, counts, device or cfg.device)
+    vocab = build_vocab(counts, min(cfg.draft_vocab_size, args.vocab_size))
     torch.manual_seed(cfg.seed)
     drafter = Eagle3Drafter(DraftConfig.from_target(args, len(vocab.d2t), aux))
     drafter.set_vocab(vocab.d2t, vocab.t2d)
@@ -507,6 +512,22 @@ def build_drafter(cfg: TrainConfig, target, data, train_idx: list[int], aux: tup
     if cfg.init_head_from_target:
         drafter.init_from_target(target.model)
     return drafter.to(device or cfg.device), vocab.coverage
+
+
+def init_drafter(path: str, target, aux: tuple[int, ...], counts: torch.Tensor, device: str):
+    """A drafter trained earlier, to train further; it must fit this target and these aux layers."""
+    args = target.model.args
+    drafter = load_any(path, target.model.embed_tokens.weight.detach().float().cpu()).float()
+    c = drafter.cfg
+    if (c.vocab_size, c.target_hidden_size, c.target_num_layers) != (args.vocab_size, args.hidden_size, args.num_layers):
+        raise ValueError(f"--init {path} was trained for another target (vocab {c.vocab_size}, hidden {c.target_hidden_size}, "
+                         f"{c.target_num_layers} layers; this one: {args.vocab_size}, {args.hidden_size}, {args.num_layers})")
+    if c.aux_layer_ids != tuple(aux):
+        raise ValueError(f"--init {path} fuses aux layers {list(c.aux_layer_ids)}, the training data {list(aux)}: "
+                         "extract (or --aux-layers) with the drafter's layers")
+    drafter.embed_tokens.weight.data.copy_(target.model.embed_tokens.weight)
+    coverage = float(counts[drafter.t2d.cpu()].sum() / max(1, counts.sum()))
+    return drafter.to(device), coverage
 
 
 def load_data(config: TrainConfig, target):

@@ -64,6 +64,21 @@ def test_init_from_target_copies_embedding_and_head_rows():
     assert isinstance(drafter, Eagle3Drafter)
 
 
+def test_shrunk_vocab_keeps_the_most_frequent_tokens_and_their_logits():
+    target = tiny_native()
+    drafter = tiny_drafter(target, draft_vocab=120)
+    counts = torch.randint(0, 1000, (target.args.vocab_size,))
+    small = drafter.shrink_vocab(counts, 40)
+    ids, kept = drafter.to_target(torch.arange(120)), small.to_target(torch.arange(40))
+    assert torch.equal(kept, kept.sort().values) and small.t2d.sum() == 40 and small.t2d[kept].all()
+    assert set(kept.tolist()) == set(ids[torch.sort(-counts[ids], stable=True).indices[:40]].tolist())
+    hidden = torch.randn(1, 5, 64)
+    rows = torch.searchsorted(ids, kept)  # where each kept token sat in the old draft vocab
+    assert torch.equal(small.logits(hidden), drafter.logits(hidden)[..., rows])
+    with pytest.raises(ValueError, match="size"):
+        drafter.shrink_vocab(counts, 121)
+
+
 @pytest.fixture
 def flex_backward_on_cpu(monkeypatch):
     """torch refuses flex_attention's backward on the CPU by a device check; the unfused implementation

@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from draftsmith.bench import load_any_drafter
+from draftsmith.export import load_any
 from draftsmith.export import export_sglang, export_vllm, load_export, load_trained, load_vllm_export
 from draftsmith.interop import ImportConfig, InteropError, load_foreign, read_tensor_file, run
 
@@ -58,7 +58,7 @@ def test_import_writes_a_folder_bench_and_training_load(drafter, target8, tmp_pa
     assert info["layout"] == "speculators" and info["hf_config"]["num_hidden_layers"] == N
     assert torch.equal(back.embed_tokens.weight, drafter.embed_tokens.weight)  # from the target
     assert max_diff(drafter, back) == 0
-    assert max_diff(drafter, load_any_drafter(str(tmp_path / "imported"), drafter.embed_tokens.weight)) == 0
+    assert max_diff(drafter, load_any(str(tmp_path / "imported"), drafter.embed_tokens.weight)) == 0
     assert (tmp_path / "imported" / "import_config.json").exists()
 
 

@@ -88,6 +88,20 @@ def test_time_boxed_runs_add_up_to_an_uninterrupted_one(tiny_target_dir, tiny_hi
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_training_starts_from_an_earlier_drafter(tiny_target_dir, tiny_hidden, tmp_path):
+    """--init: the earlier drafter's weights and draft vocab (not a new one), whatever draft_vocab_size says."""
+    common = dict(target=str(tiny_target_dir), data=str(tiny_hidden), ttt_depth=2, batch_tokens=128, eval_fraction=0.2)
+    first = run(TrainConfig(out=str(tmp_path / "a"), draft_vocab_size=64, lr=1e-3, **common))
+    frozen = dict(lr=0.0, draft_vocab_size=128, max_steps=2, **common)  # lr 0: the weights stay as loaded
+    again = run(TrainConfig(out=str(tmp_path / "b"), init=str(tmp_path / "a" / "drafter"), **frozen))
+    scratch = run(TrainConfig(out=str(tmp_path / "c"), **frozen))
+    assert again.eval == first.eval != scratch.eval
+    a = load_file(str(tmp_path / "a" / "drafter" / "drafter.safetensors"))
+    b = load_file(str(tmp_path / "b" / "drafter" / "drafter.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert b["d2t"].numel() == 64
+
+
 @pytest.mark.parametrize("rows_per_pack, tokens", [(1, 192), (2, 96)])
 def test_steps_cut_the_global_pack_sequence(rows_per_pack, tokens, tiny_hidden):
     """A step of W x grad_accum packs takes the next packs of the one global sequence, and its
