@@ -41,6 +41,56 @@ def test_chain_equals_greedy_for_stub_drafters(target, p_right, expect):
         assert min(lengths) < max(lengths)
 
 
+def overfit(drafter, full: torch.Tensor, aux: torch.Tensor, greedy: torch.Tensor, depth: int, steps: int = 80):
+    """Train a (full-vocab) drafter on one sequence until it drafts much of it right: a real drafter,
+    in miniature, whose drafts get accepted, so decoding exercises its catch-up after accepted drafts."""
+    import torch.nn.functional as F
+
+    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-2)
+    L = full.shape[1]
+    for _ in range(steps):
+        outs = drafter.ttt(full, aux, depth)
+        loss = sum(F.cross_entropy(drafter.logits(o[0, : L - 1 - j]), greedy[1 + j :]) for j, o in enumerate(outs))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return drafter.eval()
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_chain_drafts_what_the_trained_rows_predict(target, k, monkeypatch):
+    """The first draft of every cycle must be the drafter's training-time (teacher-forced) prediction
+    at that position: the decoder feeds it the same target features, tokens and cache as `ttt` does.
+    A plumbing slip (wrong aux layer, a row off by one, a stale drafter cache) keeps the output
+    lossless but silently ruins the accept length, and fails here."""
+    import draftsmith.decode as dec
+
+    drafter = tiny_drafter(target)
+    prompt = torch.randint(3, 320, (1, 9), generator=torch.Generator().manual_seed(7))
+    full = torch.cat([prompt, torch.tensor([decode_plain(target, prompt, 40).tokens])], 1)
+    with torch.no_grad():
+        out = target(full, torch.arange(full.shape[1]), capture=drafter.cfg.aux_layer_ids)
+        greedy = target.logits(out.hidden).argmax(-1)[0]
+    overfit(drafter.train(), full, out.aux, greedy, k)
+    firsts, done = [], [1]  # (tokens generated before the cycle, its first draft); prefill made one
+    real = dec.accept_greedy
+
+    def spy(best, drafts):
+        n = real(best, drafts)
+        firsts.append((done[0], int(drafts[0])))
+        done[0] += n + 1
+        return n
+
+    monkeypatch.setattr(dec, "accept_greedy", spy)
+    spec = decode_chain(target, drafter, prompt, 40, k)
+    assert spec.tokens == full[0, 9:].tolist()
+    assert max(spec.accept_lengths) > 1 + (k > 1)  # drafts were accepted: the catch-up after them is tested
+    with torch.no_grad():
+        taught = drafter.to_target(drafter.logits(drafter.ttt(full, out.aux, 1)[0]).argmax(-1))[0]  # row r drafts token r+2
+    same = [d == int(taught[9 + g - 2]) for g, d in firsts]
+    assert len(same) >= 10 and sum(same) >= 0.95 * len(same)
+
+
 def test_eos_and_max_new_are_respected(target):
     prompt = torch.randint(3, 320, (1, 6), generator=torch.Generator().manual_seed(2))
     plain = decode_plain(target, prompt, 30)
