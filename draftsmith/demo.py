@@ -1,9 +1,15 @@
 """The demo: every stage, at small scale, on the embedded default target, on a CPU.
 
 generate (the target answers prompts shipped in draftsmith/assets) -> extract -> train ->
-export (SGLang folder) -> bench (MT-bench first turns, chain speculation vs plain decoding),
+export (SGLang folder) -> bench (MT-bench first turns, speculation vs plain decoding),
 then a result JSON with the figures issue #2 asks for. Each stage writes into its own
 folder under `out`, so an interrupted demo rerun resumes every stage where it stopped.
+
+Training starts from the drafter that ships in draftsmith/assets/drafter (`--start-from shipped`,
+the default): the one the full pipeline trained on an H200 from all 12.4K prompts
+(benchmarks/ship_drafter.py says how it was made), which a CPU could not train in 15 minutes.
+The demo trains it further on the answers it has just generated; `--start-from scratch` trains a
+new drafter instead (much weaker at this scale), and a path starts from any drafter of this target.
 
     draftsmith demo --out runs/demo --result benchmarks/results/demo-cpu.json
 """
@@ -24,6 +30,7 @@ ASSETS = Path(__file__).parent / "assets"
 DEMO_PROMPTS = tuple(str(ASSETS / "prompts" / f) for f in
                      ("alpaca_seed_tasks.jsonl", "self_instruct_user_oriented.jsonl", "gsm8k_train_1500.jsonl"))
 MT_BENCH = str(ASSETS / "eval" / "mt_bench.jsonl")
+SHIPPED_DRAFTER = ASSETS / "drafter"
 
 
 @dataclass(frozen=True)
@@ -36,19 +43,34 @@ class DemoConfig:
     max_new_tokens: int = 192
     max_prompt_tokens: int = 200
     batch_size: int = 64
-    draft_vocab_size: int = 2048
+    start_from: str = "shipped"  # shipped | scratch | a drafter folder (train's drafter/ or an SGLang export)
+    draft_vocab_size: int = 2048  # from scratch only: a drafter started from another keeps its vocab
     ttt_depth: int = 3
-    epochs: int = 6
-    lr: float = 2e-3
+    epochs: int | None = None  # default: 1 from a trained drafter, 6 from scratch
+    lr: float | None = None  # default: 1e-4 from a trained drafter, 2e-3 from scratch
     batch_tokens: int = 512  # small packs: more optimizer steps per CPU second, and T^2 attention stays cheap
     bench_prompts: int = 8
     bench_max_new_tokens: int = 128
-    draft_tokens: int = 3
+    mode: str = "chain"  # chain | tree
+    draft_tokens: int = 3  # chain
+    topk: int = 4  # tree
+    steps: int = 4  # tree
+    num_draft_tokens: int = 8  # tree
     threads: int | None = None  # torch CPU threads; default: torch's choice
     result: str | None = None  # where to write the demo's JSON summary
 
 
+def initial_drafter(start_from: str) -> str | None:
+    if start_from == "scratch":
+        return None
+    path = SHIPPED_DRAFTER if start_from == "shipped" else Path(start_from)
+    if not (path / "config.json").exists() and not (path / "drafter.safetensors").exists():
+        raise FileNotFoundError(f"no drafter at {path}: give --start-from scratch, or a train drafter/ or SGLang export folder")
+    return str(path)
+
+
 def run(config: DemoConfig) -> bench.BenchResult:
+    init = initial_drafter(config.start_from)
     if config.threads:
         torch.set_num_threads(config.threads)
     t0 = time.perf_counter()
@@ -60,13 +82,14 @@ def run(config: DemoConfig) -> bench.BenchResult:
     extract.run(extract.ExtractConfig(target=config.target, data=gen.path, out=str(out / "hidden")))
     trained = train.run(train.TrainConfig(
         target=config.target, data=str(out / "hidden"), out=str(out / "train"), draft_vocab_size=config.draft_vocab_size,
-        ttt_depth=config.ttt_depth, epochs=config.epochs, lr=config.lr, batch_tokens=config.batch_tokens,
-        eval_fraction=0.05))
+        ttt_depth=config.ttt_depth, epochs=config.epochs or (1 if init else 6), lr=config.lr or (1e-4 if init else 2e-3),
+        batch_tokens=config.batch_tokens, eval_fraction=0.05, init=init))
     exported = export.run(export.ExportConfig(checkpoint=str(out / "train" / "drafter"), out=str(out / "sglang")))
     print(f"exported for SGLang: {exported.out}\n  serve with: {exported.command}")
     result = bench.run(bench.BenchConfig(
         target=config.target, drafter=str(exported.out), prompts=config.eval_prompts, out=str(out / "bench"),
-        num_prompts=config.bench_prompts, max_new_tokens=config.bench_max_new_tokens, draft_tokens=config.draft_tokens))
+        num_prompts=config.bench_prompts, max_new_tokens=config.bench_max_new_tokens, mode=config.mode,
+        draft_tokens=config.draft_tokens, topk=config.topk, steps=config.steps, num_draft_tokens=config.num_draft_tokens))
     wall = time.perf_counter() - t0
     summary = {
         "command": " ".join(["draftsmith", *sys.argv[1:]]) if sys.argv[0].endswith(("draftsmith", "__main__.py")) else "draftsmith demo",
@@ -79,6 +102,8 @@ def run(config: DemoConfig) -> bench.BenchResult:
         "baseline_tok_s": round(result.baseline_tok_s, 2),
         "spec_tok_s": round(result.spec_tok_s, 2),
         "draft_tokens": result.draft_tokens,
+        "mode": config.mode,
+        "started_from": init or "scratch",
         "lossless": result.lossless,
         "bench_prompts": result.prompts,
         "bench_new_tokens": result.new_tokens,
