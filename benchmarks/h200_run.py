@@ -70,7 +70,7 @@ def phase_train(a):
         g = generate.run(generate.GenerateConfig(
             target=a.gguf, prompts=prompts, out=str(answers.parent), exclude=evals, max_new_tokens=a.max_new,
             batch_size=a.gen_batch, max_batch_tokens=a.gen_batch_tokens, max_prompt_tokens=1024, device=a.device,
-            dtype=a.dtype, max_seconds=a.gen_seconds))
+            dtype=a.dtype, max_seconds=a.gen_seconds, temperature=a.gen_temperature, samples=a.gen_samples))
         res.update(prompts=g.total, tokens_generated=g.tokens, generate_s=round(g.seconds, 1), skipped_long=g.skipped_long)
         if "answers" in a.bring_back:  # back at once: a later failure keeps them
             (out / "answers.jsonl.gz").write_bytes(gzip.compress(Path(g.path).read_bytes()))
@@ -520,6 +520,8 @@ def main():
     ap.add_argument("--deadline", type=float, help="train: unix time by which this call must be done (training stops"
                     " checkpointed before it; rerun with the same --tag and --train-steps to continue)")
     ap.add_argument("--gen-seconds", type=float, default=220)
+    ap.add_argument("--gen-temperature", type=float, default=0.0, help="train: regenerate with sampling (0: greedy)")
+    ap.add_argument("--gen-samples", type=int, default=1, help="train: answers per prompt (with --gen-temperature > 0)")
     ap.add_argument("--answers", help="answers.jsonl.gz of an earlier run (or answers.jsonl on this machine): skip generation")
     ap.add_argument("--resume-generation", action="store_true", help="with --answers: answer the prompts it lacks")
     ap.add_argument("--train-steps", type=int, help="schedule steps (skips the timing probe)")

@@ -25,6 +25,14 @@ SUPPORTED = (
 USER_ROLES = ("human", "user")
 
 
+SAMPLE_SEP = "#sample"  # generate --samples N: answer k of prompt P has id P#sample<k>
+
+
+def prompt_of(sample_id: str) -> str:
+    """The prompt an answer's id belongs to (itself, unless generate sampled several answers)."""
+    return sample_id.split(SAMPLE_SEP)[0]
+
+
 @dataclass(frozen=True)
 class Prompt:
     id: str  # source file stem + record id (or index), stable across runs

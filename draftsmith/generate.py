@@ -14,12 +14,12 @@ from __future__ import annotations
 import json
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from draftsmith.data import Prompt, load_prompts, prompt_ids
+from draftsmith.data import SAMPLE_SEP, Prompt, load_prompts, prompt_ids
 from draftsmith.decode import generate_batch
 from draftsmith.common import Progress, dtype_of, write_config
 from draftsmith.target import load_target
@@ -46,6 +46,8 @@ class GenerateConfig:
     dtype: str = "float32"
     max_seconds: float | None = None  # stop after the batch that crosses this budget (rerun to continue)
     max_batch_tokens: int = 1 << 18  # cap on batch * (prompt + max_new): long prompts get smaller batches
+    samples: int = 1  # answers per prompt (needs temperature > 0): more, and more varied, text from few prompts;
+    # ids become <prompt id>#sample<k>, and train keeps a prompt's samples on one side of its held-out split
 
     def __post_init__(self):
         if not self.prompts:
@@ -54,6 +56,8 @@ class GenerateConfig:
             raise ValueError("max_new_tokens and batch_size must be >= 1")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
+        if self.samples < 1 or (self.samples > 1 and self.temperature == 0):
+            raise ValueError("samples must be >= 1, and > 1 only with --temperature > 0 (greedy answers would be identical)")
 
 
 @dataclass
@@ -64,6 +68,13 @@ class GenerateResult:
     skipped_long: int
     tokens: int  # answer tokens written by this run
     seconds: float
+
+
+def sampled(prompts: list[Prompt], samples: int) -> list[Prompt]:
+    """Each prompt `samples` times, with the sample's own id (the prompt's own id when samples is 1)."""
+    if samples == 1:
+        return prompts
+    return [replace(p, id=f"{p.id}{SAMPLE_SEP}{k}") for p in prompts for k in range(samples)]
 
 
 def read_done(path: Path) -> set[str]:
@@ -119,7 +130,7 @@ def run(config: GenerateConfig) -> GenerateResult:
     write_config(out, "generate", config)
     path = out / ANSWERS
     done = read_done(path)
-    todo = [p for p in load_prompts(config.prompts, config.exclude, config.limit) if p.id not in done]
+    todo = [p for p in sampled(load_prompts(config.prompts, config.exclude, config.limit), config.samples) if p.id not in done]
     t0, written, tokens, skipped = time.perf_counter(), 0, 0, 0
     bar = Progress(len(todo), "generate", unit="prompt")
     with open(path, "a", encoding="utf-8") as f:

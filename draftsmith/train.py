@@ -55,7 +55,7 @@ from safetensors.torch import load_file, save_file
 from torch.utils.checkpoint import checkpoint
 
 from draftsmith.common import Progress, dtype_of, write_config
-from draftsmith.data import encode_conversation
+from draftsmith.data import encode_conversation, prompt_of
 from draftsmith.draft import DraftConfig, Eagle3Drafter
 from draftsmith.export import load_any, save_trained
 from draftsmith.extract import HiddenStates, read_conversations
@@ -133,11 +133,14 @@ class TrainResult:
 
 def split(ids: list[str], eval_fraction: float, seed: int) -> tuple[list[int], list[int]]:
     """Train / held-out indices, decided on the sample ids (not storage order), so offline shards
-    and online conversations split and shuffle identically."""
+    and online conversations split and shuffle identically. Answers sampled from one prompt
+    (generate --samples) fall on the same side: held-out prompts are unseen prompts."""
+    groups = sorted({prompt_of(i) for i in ids})
+    order = torch.randperm(len(groups), generator=torch.Generator().manual_seed(seed)).tolist()
+    k = int(len(groups) * eval_fraction) if len(groups) > 1 else 0
+    held_out = {groups[i] for i in order[:k]}
     canon = sorted(range(len(ids)), key=lambda i: ids[i])
-    order = torch.randperm(len(ids), generator=torch.Generator().manual_seed(seed)).tolist()
-    k = int(len(ids) * eval_fraction) if len(ids) > 1 else 0
-    return [canon[i] for i in sorted(order[k:])], [canon[i] for i in sorted(order[:k])]
+    return [i for i in canon if prompt_of(ids[i]) not in held_out], [i for i in canon if prompt_of(ids[i]) in held_out]
 
 
 def pack(rows: list[list[dict]], device) -> dict:

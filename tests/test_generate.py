@@ -40,6 +40,39 @@ def test_interrupted_run_resumes_without_redoing_or_duplicating(tiny_target_dir,
     assert (tmp_path / "gen" / "generate_config.json").exists()
 
 
+def test_several_sampled_answers_per_prompt_each_once_after_a_crash(tiny_target_dir, tmp_path, monkeypatch):
+    from draftsmith.train import split
+
+    prompts = write_prompts(tmp_path / "p.jsonl", 5)
+    cfg = GenerateConfig(target=str(tiny_target_dir), prompts=(str(prompts),), out=str(tmp_path / "gen"),
+                         max_new_tokens=8, batch_size=4, samples=3, temperature=1.0)
+    real, calls = decode.generate_batch, []
+
+    def crash_on_second(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(generate, "generate_batch", crash_on_second)
+    with pytest.raises(KeyboardInterrupt):
+        generate.run(cfg)
+    monkeypatch.setattr(generate, "generate_batch", real)
+    assert generate.run(cfg).total == 15
+    ids = ids_in(tmp_path / "gen" / "answers.jsonl")
+    assert sorted(ids) == sorted(f"p/{i}#sample{k}" for i in range(5) for k in range(3))
+    answers = {}
+    for line in (tmp_path / "gen" / "answers.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        answers.setdefault(r["id"].split("#")[0], set()).add(r["conversations"][1]["content"])
+    assert any(len(a) > 1 for a in answers.values())  # sampled, not three copies of one answer
+    train_idx, held_idx = split(ids, 0.4, 0)  # a prompt's samples stay on one side
+    held = {ids[i].split("#")[0] for i in held_idx}
+    assert len(held) == 2 and len(held_idx) == 6 and not held & {ids[i].split("#")[0] for i in train_idx}
+    with pytest.raises(ValueError, match="temperature"):
+        GenerateConfig(target="x", prompts=("p",), out="o", samples=2)
+
+
 def test_torn_last_line_is_dropped_and_redone(tmp_path):
     path = tmp_path / "answers.jsonl"
     path.write_text(json.dumps({"id": "a"}) + "\n" + '{"id": "b", "conv')
