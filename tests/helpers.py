@@ -102,3 +102,17 @@ class BigramDrafter(BigramTarget):
 
     def to_target(self, ids):
         return ids
+
+
+def interrupt_on_call(monkeypatch, module, name: str, call: int):
+    """Make module.name raise KeyboardInterrupt (a Ctrl-C) on its `call`-th call; returns the real one."""
+    real, calls = getattr(module, name), []
+
+    def interrupted(*a, **k):
+        calls.append(1)
+        if len(calls) == call:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(module, name, interrupted)
+    return real

@@ -8,6 +8,8 @@ from draftsmith.data import encode_conversation
 from draftsmith.extract import ExtractConfig, HiddenStates
 from draftsmith.target import load_target
 
+from helpers import interrupt_on_call
+
 
 def test_shards_hold_the_targets_hidden_states(tiny_target_dir, tiny_answers, tiny_hidden):
     data = HiddenStates(tiny_hidden)
@@ -39,15 +41,7 @@ def test_estimate_writes_nothing(tiny_target_dir, tiny_answers, tmp_path, capsys
 def test_crash_mid_run_resumes_after_last_shard(tiny_target_dir, tiny_answers, tmp_path, monkeypatch):
     cfg = ExtractConfig(target=str(tiny_target_dir), data=str(tiny_answers), out=str(tmp_path / "hs"),
                         shard_samples=4, batch_tokens=2048)
-    real, n = extract.write_shard, []
-
-    def crash_on_second(*a, **k):
-        n.append(1)
-        if len(n) == 2:
-            raise KeyboardInterrupt
-        return real(*a, **k)
-
-    monkeypatch.setattr(extract, "write_shard", crash_on_second)
+    real = interrupt_on_call(monkeypatch, extract, "write_shard", 2)
     with pytest.raises(KeyboardInterrupt):
         extract.run(cfg)
     monkeypatch.setattr(extract, "write_shard", real)

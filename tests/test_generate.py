@@ -5,6 +5,8 @@ import pytest
 from draftsmith import decode, generate
 from draftsmith.generate import GenerateConfig, read_done
 
+from helpers import interrupt_on_call
+
 
 def write_prompts(path, n):
     path.write_text("".join(json.dumps({"question": f"What is {i} plus {i}?"}) + "\n" for i in range(n)))
@@ -19,15 +21,7 @@ def test_interrupted_run_resumes_without_redoing_or_duplicating(tiny_target_dir,
     prompts = write_prompts(tmp_path / "p.jsonl", 10)
     cfg = GenerateConfig(target=str(tiny_target_dir), prompts=(str(prompts),), out=str(tmp_path / "gen"),
                          max_new_tokens=8, batch_size=3)
-    real, calls = decode.generate_batch, []
-
-    def crash_on_third(*a, **k):
-        calls.append(1)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return real(*a, **k)
-
-    monkeypatch.setattr(generate, "generate_batch", crash_on_third)
+    real = interrupt_on_call(monkeypatch, generate, "generate_batch", 3)
     with pytest.raises(KeyboardInterrupt):
         generate.run(cfg)
     assert len(ids_in(tmp_path / "gen" / "answers.jsonl")) == 6  # two finished batches kept
@@ -46,15 +40,7 @@ def test_several_sampled_answers_per_prompt_each_once_after_a_crash(tiny_target_
     prompts = write_prompts(tmp_path / "p.jsonl", 5)
     cfg = GenerateConfig(target=str(tiny_target_dir), prompts=(str(prompts),), out=str(tmp_path / "gen"),
                          max_new_tokens=8, batch_size=4, samples=3, temperature=1.0)
-    real, calls = decode.generate_batch, []
-
-    def crash_on_second(*a, **k):
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return real(*a, **k)
-
-    monkeypatch.setattr(generate, "generate_batch", crash_on_second)
+    real = interrupt_on_call(monkeypatch, generate, "generate_batch", 2)
     with pytest.raises(KeyboardInterrupt):
         generate.run(cfg)
     monkeypatch.setattr(generate, "generate_batch", real)
