@@ -70,13 +70,27 @@ def phase_train(a):
         g = generate.run(generate.GenerateConfig(
             target=a.gguf, prompts=prompts, out=str(answers.parent), exclude=evals, max_new_tokens=a.max_new,
             batch_size=a.gen_batch, max_batch_tokens=a.gen_batch_tokens, max_prompt_tokens=1024, device=a.device,
-            dtype=a.dtype, max_seconds=a.gen_seconds, temperature=a.gen_temperature, samples=a.gen_samples))
+            dtype=a.dtype, max_seconds=a.gen_seconds))
         res.update(prompts=g.total, tokens_generated=g.tokens, generate_s=round(g.seconds, 1), skipped_long=g.skipped_long)
         if "answers" in a.bring_back:  # back at once: a later failure keeps them
             (out / "answers.jsonl.gz").write_bytes(gzip.compress(Path(g.path).read_bytes()))
+    train_data = g.path
+    if a.extra_samples:  # more text for the chat-like prompts: several sampled answers each, beside the greedy one
+        chat = tuple(p for p in prompts if Path(p).name.startswith(tuple(a.extra_sources.split(","))))
+        e = generate.run(generate.GenerateConfig(
+            target=a.gguf, prompts=chat, out=str(RUN / "gen-extra"), exclude=evals, max_new_tokens=a.max_new,
+            batch_size=a.gen_batch, max_batch_tokens=a.gen_batch_tokens, max_prompt_tokens=1024, device=a.device,
+            dtype=a.dtype, temperature=a.extra_temperature, samples=a.extra_samples, seed=1))
+        res.update(extra_sources=[Path(p).name for p in chat], extra_answers=e.total, extra_tokens=e.tokens,
+                   extra_generate_s=round(e.seconds, 1))
+        if "answers" in a.bring_back:
+            (out / "answers-extra.jsonl.gz").write_bytes(gzip.compress(Path(e.path).read_bytes()))
+        train_data = RUN / "gen-all" / "answers.jsonl"  # held out by prompt: a prompt's answers stay together
+        train_data.parent.mkdir(parents=True, exist_ok=True)
+        train_data.write_bytes(Path(g.path).read_bytes() + Path(e.path).read_bytes())
     dump(out, "train.json", res)
     print(json.dumps(res), flush=True)
-    cfg = dict(target=a.gguf, data=g.path, online=True, device=a.device, target_dtype=a.dtype, ttt_depth=a.depth,
+    cfg = dict(target=a.gguf, data=str(train_data), online=True, device=a.device, target_dtype=a.dtype, ttt_depth=a.depth,
                draft_vocab_size=a.vocab, lr=a.lr, batch_tokens=a.batch_tokens, rows_per_pack=a.rows_per_pack,
                loss_chunk_tokens=a.loss_chunk, eval_fraction=0.02, save_every=200, attn_impl=a.attn_impl,  # --deadline saves on stopping; this bounds a kill
                compile_loss=a.compile_loss)
@@ -520,8 +534,9 @@ def main():
     ap.add_argument("--deadline", type=float, help="train: unix time by which this call must be done (training stops"
                     " checkpointed before it; rerun with the same --tag and --train-steps to continue)")
     ap.add_argument("--gen-seconds", type=float, default=220)
-    ap.add_argument("--gen-temperature", type=float, default=0.0, help="train: regenerate with sampling (0: greedy)")
-    ap.add_argument("--gen-samples", type=int, default=1, help="train: answers per prompt (with --gen-temperature > 0)")
+    ap.add_argument("--extra-samples", type=int, default=0, help="train: also this many sampled answers per chat-like prompt")
+    ap.add_argument("--extra-temperature", type=float, default=0.8)
+    ap.add_argument("--extra-sources", default="sharegpt,ultrachat,self_instruct,alpaca", help="prompt file name prefixes")
     ap.add_argument("--answers", help="answers.jsonl.gz of an earlier run (or answers.jsonl on this machine): skip generation")
     ap.add_argument("--resume-generation", action="store_true", help="with --answers: answer the prompts it lacks")
     ap.add_argument("--train-steps", type=int, help="schedule steps (skips the timing probe)")
