@@ -88,9 +88,15 @@ def phase_train(a):
         train_data = RUN / "gen-all" / "answers.jsonl"  # held out by prompt: a prompt's answers stay together
         train_data.parent.mkdir(parents=True, exist_ok=True)
         train_data.write_bytes(Path(g.path).read_bytes() + Path(e.path).read_bytes())
+    eval_data = None
+    if a.eval_mtbench:  # the target's own answers to MT-bench's first turns, scored every epoch (never trained on)
+        m = generate.run(generate.GenerateConfig(
+            target=a.gguf, prompts=(evals[0],), out=str(RUN / "gen-mtbench"), max_new_tokens=a.max_new_bench,
+            batch_size=a.gen_batch, max_batch_tokens=a.gen_batch_tokens, device=a.device, dtype=a.dtype))
+        eval_data = m.path
     dump(out, "train.json", res)
     print(json.dumps(res), flush=True)
-    cfg = dict(target=a.gguf, data=str(train_data), online=True, device=a.device, target_dtype=a.dtype, ttt_depth=a.depth,
+    cfg = dict(target=a.gguf, data=str(train_data), eval_data=eval_data, online=True, device=a.device, target_dtype=a.dtype, ttt_depth=a.depth,
                draft_vocab_size=a.vocab, lr=a.lr, batch_tokens=a.batch_tokens, rows_per_pack=a.rows_per_pack,
                loss_chunk_tokens=a.loss_chunk, eval_fraction=0.02, save_every=200, attn_impl=a.attn_impl,  # --deadline saves on stopping; this bounds a kill
                compile_loss=a.compile_loss)
@@ -534,6 +540,8 @@ def main():
     ap.add_argument("--deadline", type=float, help="train: unix time by which this call must be done (training stops"
                     " checkpointed before it; rerun with the same --tag and --train-steps to continue)")
     ap.add_argument("--gen-seconds", type=float, default=220)
+    ap.add_argument("--eval-mtbench", action=argparse.BooleanOptionalAction, default=True,
+                    help="train: also score the target's MT-bench answers every epoch")
     ap.add_argument("--extra-samples", type=int, default=0, help="train: also this many sampled answers per chat-like prompt")
     ap.add_argument("--extra-temperature", type=float, default=0.8)
     ap.add_argument("--extra-sources", default="sharegpt,ultrachat,self_instruct,alpaca", help="prompt file name prefixes")

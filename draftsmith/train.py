@@ -93,6 +93,8 @@ class TrainConfig:
     compile_loss: bool | None = None  # the per-chunk KL through torch.compile; None: on CUDA
     parallel: str = "ddp"  # under torchrun: "ddp" or "fsdp" (FSDP2 fully_shard)
     eval_fraction: float = 0.05
+    eval_data: str | None = None  # also evaluate on this (answers.jsonl online, extracted shards offline) each epoch,
+    # e.g. the target's own answers to the benchmark's prompts: the held-out split alone flatters a skewed mix
     save_every: int = 100  # optimizer steps between checkpoints
     init_head_from_target: bool = True
     init: str | None = None  # start from this drafter (a train output's drafter/ or an SGLang export): its weights
@@ -546,6 +548,19 @@ def load_data(config: TrainConfig, target):
     return data, tuple(data.manifest["aux_layer_ids"]), lambda batch: batch
 
 
+def load_eval_data(config: TrainConfig, target, aux: tuple[int, ...]):
+    """The extra evaluation set (or None): read like the training data, and fed the same features."""
+    if not config.eval_data:
+        return None
+    if config.online:
+        return Conversations(config.eval_data, target.tokenizer, config.max_length)
+    data = HiddenStates(config.eval_data)
+    if tuple(data.manifest["aux_layer_ids"]) != tuple(aux):
+        raise ValueError(f"--eval-data {config.eval_data} holds aux layers {data.manifest['aux_layer_ids']}, "
+                         f"the training data {list(aux)}: extract both with the same --aux-layers")
+    return data
+
+
 def unsharded(drafter: Eagle3Drafter, config: TrainConfig, world: World) -> Eagle3Drafter:
     """The drafter with plain full weights, for save_trained (collective under FSDP)."""
     if world.size == 1 or config.parallel == "ddp":
@@ -572,6 +587,7 @@ def train(config: TrainConfig, world: World) -> TrainResult:
     target = load_target(config.target, device, dtype_of(config.target_dtype))
     data, aux, featurize = load_data(config, target)
     train_idx, eval_idx = split(data.ids, config.eval_fraction, config.seed)
+    extra = load_eval_data(config, target, aux)
     drafter, coverage = build_drafter(config, target, data, train_idx, aux, device)
     head = target.model.lm_head.weight[drafter.to_target(torch.arange(drafter.cfg.draft_vocab_size, device=device))].detach()
     ckpt = out / "checkpoint"
@@ -631,17 +647,26 @@ def train(config: TrainConfig, world: World) -> TrainResult:
         else:
             metrics = evaluate(model, data, eval_idx, config, featurize, world)
             state.update(epoch=state["epoch"] + 1, cursor=0)
-            log.write(json.dumps({"epoch": state["epoch"], "eval": metrics}) + "\n")
+            record = {"epoch": state["epoch"], "eval": metrics}
             tb.add("eval", metrics, state["step"])
             if world.main:
                 print(f"epoch {state['epoch']}: held-out acc {[round(a, 3) for a in metrics.get('acc', [])]} "
                       f"accept length {metrics.get('accept_length', float('nan')):.2f}")
+            if extra is not None:
+                record["eval_data"] = evaluate(model, extra, list(range(len(extra))), config, featurize, world)
+                tb.add("eval_data", record["eval_data"], state["step"])
+                if world.main:
+                    print(f"epoch {state['epoch']}: {config.eval_data} acc {[round(a, 3) for a in record['eval_data'].get('acc', [])]} "
+                          f"accept length {record['eval_data'].get('accept_length', float('nan')):.2f}")
+            log.write(json.dumps(record) + "\n")
     if bar:
         bar.close()
     log.close()
     save_checkpoint(ckpt, drafter, opt, sched, state, world)
     final = evaluate(model, data, eval_idx, config, featurize, world)
     tb.add("eval", final, state["step"])
+    if extra is not None:
+        final = {**final, "eval_data": evaluate(model, extra, list(range(len(extra))), config, featurize, world)}
     tb.close()
     plain = unsharded(drafter, config, world)
     if world.main:

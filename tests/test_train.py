@@ -88,6 +88,19 @@ def test_time_boxed_runs_add_up_to_an_uninterrupted_one(tiny_target_dir, tiny_hi
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_an_extra_evaluation_set_is_scored_every_epoch(tiny_target_dir, tiny_hidden, tmp_path):
+    """--eval-data: e.g. the target's answers to the benchmark's prompts, scored beside the held-out split."""
+    common = dict(target=str(tiny_target_dir), data=str(tiny_hidden), draft_vocab_size=64, ttt_depth=2, epochs=2,
+                  batch_tokens=128, lr=1e-3, eval_fraction=0.2)
+    plain = run(TrainConfig(out=str(tmp_path / "a"), **common))
+    both = run(TrainConfig(out=str(tmp_path / "b"), eval_data=str(tiny_hidden), **common))
+    records = [json.loads(l) for l in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    epochs = [r for r in records if "epoch" in r]
+    assert len(epochs) == 2 and all(len(r["eval_data"]["acc"]) == 2 and r["eval_data"]["accept_length"] >= 1 for r in epochs)
+    assert {k: v for k, v in both.eval.items() if k != "eval_data"} == plain.eval  # training itself is unchanged
+    assert both.eval["eval_data"] == epochs[-1]["eval_data"]  # nothing trained after the last epoch's evaluation
+
+
 def test_training_starts_from_an_earlier_drafter(tiny_target_dir, tiny_hidden, tmp_path):
     """--init: the earlier drafter's weights and draft vocab (not a new one), whatever draft_vocab_size says."""
     common = dict(target=str(tiny_target_dir), data=str(tiny_hidden), ttt_depth=2, batch_tokens=128, eval_fraction=0.2)
