@@ -45,7 +45,7 @@ def dump(out: Path, name: str, obj: dict):
 
 def probe_step_s(cfg: dict, name: str) -> float:
     """Median seconds of a training step with these settings (20 steps, compilation left out)."""
-    probe = train.run(train.TrainConfig(out=str(RUN / f"probe-{name}"), max_steps=20, **cfg))
+    probe = train.run(train.TrainConfig(out=str(RUN / f"probe-{name}"), max_steps=20, **{**cfg, "eval_data": None}))
     logged = [json.loads(line) for line in open(Path(probe.out) / "metrics.jsonl")]
     return statistics.median(r["seconds"] for r in logged if r.get("step", 0) > 8)
 
@@ -66,21 +66,22 @@ def phase_train(a):
         answers = Path(a.answers)
         res.update(answers_from=a.answers)
     g = generate.GenerateResult(str(answers), 0, 0, 0, 0, 0.0)
+
+    def answer(prompts, out, **kw):  # the target answers on this device, in this run's batches
+        return generate.run(generate.GenerateConfig(
+            target=a.gguf, prompts=prompts, out=str(out), batch_size=a.gen_batch, max_batch_tokens=a.gen_batch_tokens,
+            max_prompt_tokens=1024, device=a.device, dtype=a.dtype, **kw))
+
     if not a.answers or a.resume_generation:  # generate resumes: only prompts not answered yet
-        g = generate.run(generate.GenerateConfig(
-            target=a.gguf, prompts=prompts, out=str(answers.parent), exclude=evals, max_new_tokens=a.max_new,
-            batch_size=a.gen_batch, max_batch_tokens=a.gen_batch_tokens, max_prompt_tokens=1024, device=a.device,
-            dtype=a.dtype, max_seconds=a.gen_seconds))
+        g = answer(prompts, answers.parent, exclude=evals, max_new_tokens=a.max_new, max_seconds=a.gen_seconds)
         res.update(prompts=g.total, tokens_generated=g.tokens, generate_s=round(g.seconds, 1), skipped_long=g.skipped_long)
         if "answers" in a.bring_back:  # back at once: a later failure keeps them
             (out / "answers.jsonl.gz").write_bytes(gzip.compress(Path(g.path).read_bytes()))
     train_data = g.path
     if a.extra_samples:  # more text for the chat-like prompts: several sampled answers each, beside the greedy one
         chat = tuple(p for p in prompts if Path(p).name.startswith(tuple(a.extra_sources.split(","))))
-        e = generate.run(generate.GenerateConfig(
-            target=a.gguf, prompts=chat, out=str(RUN / "gen-extra"), exclude=evals, max_new_tokens=a.max_new,
-            batch_size=a.gen_batch, max_batch_tokens=a.gen_batch_tokens, max_prompt_tokens=1024, device=a.device,
-            dtype=a.dtype, temperature=a.extra_temperature, samples=a.extra_samples, seed=1))
+        e = answer(chat, RUN / "gen-extra", exclude=evals, max_new_tokens=a.max_new, temperature=a.extra_temperature,
+                   samples=a.extra_samples, seed=1)
         res.update(extra_sources=[Path(p).name for p in chat], extra_answers=e.total, extra_tokens=e.tokens,
                    extra_generate_s=round(e.seconds, 1))
         if "answers" in a.bring_back:
@@ -90,14 +91,11 @@ def phase_train(a):
         train_data.write_bytes(Path(g.path).read_bytes() + Path(e.path).read_bytes())
     eval_data = None
     if a.eval_mtbench:  # the target's own answers to MT-bench's first turns, scored every epoch (never trained on)
-        m = generate.run(generate.GenerateConfig(
-            target=a.gguf, prompts=(evals[0],), out=str(RUN / "gen-mtbench"), max_new_tokens=a.max_new_bench,
-            batch_size=a.gen_batch, max_batch_tokens=a.gen_batch_tokens, device=a.device, dtype=a.dtype))
-        eval_data = m.path
+        eval_data = answer((evals[0],), RUN / "gen-mtbench", max_new_tokens=a.max_new_bench).path
     dump(out, "train.json", res)
     print(json.dumps(res), flush=True)
-    cfg = dict(target=a.gguf, data=str(train_data), eval_data=eval_data, online=True, device=a.device, target_dtype=a.dtype, ttt_depth=a.depth,
-               draft_vocab_size=a.vocab, lr=a.lr, batch_tokens=a.batch_tokens, rows_per_pack=a.rows_per_pack,
+    cfg = dict(target=a.gguf, data=str(train_data), eval_data=eval_data, online=True, device=a.device,
+               target_dtype=a.dtype, ttt_depth=a.depth, draft_vocab_size=a.vocab, lr=a.lr, batch_tokens=a.batch_tokens, rows_per_pack=a.rows_per_pack,
                loss_chunk_tokens=a.loss_chunk, eval_fraction=0.02, save_every=200, attn_impl=a.attn_impl,  # --deadline saves on stopping; this bounds a kill
                compile_loss=a.compile_loss)
     if a.attn_impl == "probe":  # decide the TTT attention by measurement: the faster step wins

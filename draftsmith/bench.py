@@ -106,9 +106,7 @@ def run(config: BenchConfig) -> BenchResult:
         model.optimize("inductor" if cuda else None)
     drafter = load_any(config.drafter, model.embed_tokens.weight.detach().float().cpu())
     drafter = drafter.to(config.device, dtype_of(config.dtype)).eval()
-    if drafter.cfg.vocab_size != model.args.vocab_size or drafter.cfg.target_hidden_size != model.args.hidden_size:
-        raise ValueError(f"drafter {config.drafter} was built for another target (vocab {drafter.cfg.vocab_size}, "
-                         f"hidden {drafter.cfg.target_hidden_size})")
+    drafter.cfg.check_target(model.args, config.drafter)
     prompts = load_eval(config.prompts)[: config.warmup + config.num_prompts]
     dev = torch.device(config.device)
     ids = [torch.tensor([prompt_ids(target.tokenizer, p.turns)], device=dev) for p in prompts]

@@ -64,8 +64,11 @@ def initial_drafter(start_from: str) -> str | None:
     if start_from == "scratch":
         return None
     path = SHIPPED_DRAFTER if start_from == "shipped" else Path(start_from)
-    if not (path / "config.json").exists() and not (path / "drafter.safetensors").exists():
-        raise FileNotFoundError(f"no drafter at {path}: give --start-from scratch, or a train drafter/ or SGLang export folder")
+    try:
+        export.load_any(path)  # a bad path fails now, not after generate and extract
+    except (FileNotFoundError, ValueError) as e:
+        raise FileNotFoundError(f"no drafter at {path} ({e}): give --start-from scratch, or a train drafter/ or "
+                                "SGLang export folder") from e
     return str(path)
 
 

@@ -80,6 +80,12 @@ class DraftConfig:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def check_target(self, args: ModelArgs, name: str):
+        """Raise unless this drafter was built for a target of `args`' vocab, width and depth."""
+        mine, theirs = (self.vocab_size, self.target_hidden_size, self.target_num_layers), (args.vocab_size, args.hidden_size, args.num_layers)
+        if mine != theirs:
+            raise ValueError(f"drafter {name} was built for another target (vocab, hidden, layers {mine}; this target: {theirs})")
+
 
 class Midlayer(nn.Module):
     """The single EAGLE-3 decoder layer; attention reads cat(norm(emb), norm(hidden)) of width 2H."""

@@ -414,6 +414,14 @@ def evaluate(model, data, indices, cfg: TrainConfig, featurize, world: World) ->
     return summarize([s for _, s in sorted(gather(world, mine))])
 
 
+def score(model, data, eval_idx, extra, cfg: TrainConfig, featurize, world: World) -> dict:
+    """{"eval": held-out metrics} and, with --eval-data, {"eval_data": that set's}."""
+    out = {"eval": evaluate(model, data, eval_idx, cfg, featurize, world)}
+    if extra is not None:
+        out["eval_data"] = evaluate(model, extra, list(range(len(extra))), cfg, featurize, world)
+    return out
+
+
 def autocast(device: str):
     """bf16 matmuls with fp32 master weights on CUDA; plain fp32 on the CPU."""
     return torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else nullcontext()
@@ -521,14 +529,10 @@ def build_drafter(cfg: TrainConfig, target, data, train_idx: list[int], aux: tup
 
 def init_drafter(path: str, target, aux: tuple[int, ...], counts: torch.Tensor, device: str):
     """A drafter trained earlier, to train further; it must fit this target and these aux layers."""
-    args = target.model.args
     drafter = load_any(path, target.model.embed_tokens.weight.detach().float().cpu()).float()
-    c = drafter.cfg
-    if (c.vocab_size, c.target_hidden_size, c.target_num_layers) != (args.vocab_size, args.hidden_size, args.num_layers):
-        raise ValueError(f"--init {path} was trained for another target (vocab {c.vocab_size}, hidden {c.target_hidden_size}, "
-                         f"{c.target_num_layers} layers; this one: {args.vocab_size}, {args.hidden_size}, {args.num_layers})")
-    if c.aux_layer_ids != tuple(aux):
-        raise ValueError(f"--init {path} fuses aux layers {list(c.aux_layer_ids)}, the training data {list(aux)}: "
+    drafter.cfg.check_target(target.model.args, f"--init {path}")
+    if drafter.cfg.aux_layer_ids != tuple(aux):
+        raise ValueError(f"--init {path} fuses aux layers {list(drafter.cfg.aux_layer_ids)}, the training data {list(aux)}: "
                          "extract (or --aux-layers) with the drafter's layers")
     drafter.embed_tokens.weight.data.copy_(target.model.embed_tokens.weight)
     coverage = float(counts[drafter.t2d.cpu()].sum() / max(1, counts.sum()))
@@ -621,7 +625,7 @@ def train(config: TrainConfig, world: World) -> TrainResult:
     def out_of_time() -> bool:  # every rank stops at the same step: rank 0's clock decides
         return config.max_seconds is not None and gather(world, [time.perf_counter() - t0 > config.max_seconds])[0]
 
-    timed_out = False
+    timed_out, last_eval = False, None  # (step, scores) of the last evaluation
     while state["epoch"] < epochs and state["step"] < limit and not timed_out:
         order = [train_idx[i] for i in torch.randperm(len(train_idx), generator=torch.Generator().manual_seed(config.seed + state["epoch"]))]
         for cursor, packs in steps(data, order, config.batch_tokens, state["cursor"], per_step, config.rows_per_pack):
@@ -645,28 +649,24 @@ def train(config: TrainConfig, world: World) -> TrainResult:
                 save_checkpoint(ckpt, drafter, opt, sched, state, world)
             timed_out = out_of_time()  # after a step: every call makes progress
         else:
-            metrics = evaluate(model, data, eval_idx, config, featurize, world)
             state.update(epoch=state["epoch"] + 1, cursor=0)
-            record = {"epoch": state["epoch"], "eval": metrics}
-            tb.add("eval", metrics, state["step"])
-            if world.main:
-                print(f"epoch {state['epoch']}: held-out acc {[round(a, 3) for a in metrics.get('acc', [])]} "
-                      f"accept length {metrics.get('accept_length', float('nan')):.2f}")
-            if extra is not None:
-                record["eval_data"] = evaluate(model, extra, list(range(len(extra))), config, featurize, world)
-                tb.add("eval_data", record["eval_data"], state["step"])
+            last_eval = (state["step"], score(model, data, eval_idx, extra, config, featurize, world))
+            log.write(json.dumps({"epoch": state["epoch"], **last_eval[1]}) + "\n")
+            for tag, metrics in last_eval[1].items():
+                tb.add(tag, metrics, state["step"])
                 if world.main:
-                    print(f"epoch {state['epoch']}: {config.eval_data} acc {[round(a, 3) for a in record['eval_data'].get('acc', [])]} "
-                          f"accept length {record['eval_data'].get('accept_length', float('nan')):.2f}")
-            log.write(json.dumps(record) + "\n")
+                    print(f"epoch {state['epoch']}: {'held-out' if tag == 'eval' else config.eval_data} acc "
+                          f"{[round(a, 3) for a in metrics.get('acc', [])]} accept length {metrics.get('accept_length', float('nan')):.2f}")
     if bar:
         bar.close()
     log.close()
     save_checkpoint(ckpt, drafter, opt, sched, state, world)
-    final = evaluate(model, data, eval_idx, config, featurize, world)
-    tb.add("eval", final, state["step"])
-    if extra is not None:
-        final = {**final, "eval_data": evaluate(model, extra, list(range(len(extra))), config, featurize, world)}
+    if last_eval is None or last_eval[0] != state["step"]:  # else the last epoch's scores are the final model's
+        last_eval = (state["step"], score(model, data, eval_idx, extra, config, featurize, world))
+        for tag, metrics in last_eval[1].items():
+            tb.add(tag, metrics, state["step"])
+    scores = last_eval[1]
+    final = {**scores["eval"], **({"eval_data": scores["eval_data"]} if "eval_data" in scores else {})}
     tb.close()
     plain = unsharded(drafter, config, world)
     if world.main:
