@@ -72,17 +72,18 @@ def main():
     a = ap.parse_args()
     target = load_target(a.target, a.device, getattr(torch, a.dtype))
     drafter = load_any(a.drafter, target.model.embed_tokens.weight.detach().float().cpu()).to(a.device, getattr(torch, a.dtype)).eval()
-    sets = {Path(a.eval).stem: [q.turns[:1] for q in load_eval(a.eval)[: a.num]]}
+    sets = {Path(a.eval).stem: [(q.turns[:1], Path(a.eval).name) for q in load_eval(a.eval)[: a.num]]}
     if a.answers:
         convs = list(read_conversations(a.answers))
         train_idx, eval_idx = split([sid for sid, _ in convs], a.eval_fraction, 0)
         rng = random.Random(0)
         for name, idx in (("heldout", eval_idx), ("train", train_idx)):
-            sets[name] = [[m["content"] for m in convs[i][1] if m["role"] == "user"][:1] for i in rng.sample(idx, a.num)]
+            sets[name] = [([m["content"] for m in convs[i][1] if m["role"] == "user"][:1], convs[i][0].split("/")[0])
+                          for i in rng.sample(idx, a.num)]
     res = {"command": " ".join(sys.argv), "commit": git_commit(), "device": device_name(a.device), "drafter": a.drafter,
            "max_new_tokens": a.max_new, "draft_tokens": a.draft_tokens, "sets": {}}
     for name, prompts in sets.items():
-        rows = [measure(target, drafter, turns, a.max_new, a.draft_tokens) for turns in prompts]
+        rows = [{**measure(target, drafter, turns, a.max_new, a.draft_tokens), "source": source} for turns, source in prompts]
         res["sets"][name] = {**summary(rows), "per_prompt": rows}
         print(name, json.dumps(res["sets"][name] | {"per_prompt": None}), flush=True)
     if a.out:
