@@ -165,6 +165,11 @@ def bench_smollm(a, res):
     else:
         drafter, _ = load_trained(RUN / f"train{a.tag}" / "drafter")
     drafter = drafter.to(a.device, dt).eval()  # Rotary keeps its fp32 tables
+    plain_drafter = None
+    if a.compile_drafter and a.device.startswith("cuda"):  # drafting steps compiled whole; the A/B keeps one as trained
+        import copy
+        plain_drafter = copy.deepcopy(drafter) if a.drafter_ab else None
+        drafter.optimize("inductor")
     qs = load_eval(Path(a.data) / "eval" / "mt_bench.jsonl")[: a.num_prompts]
     ids = [torch.tensor([prompt_ids(target.tokenizer, q.turns)], device=a.device) for q in qs]
     model.setup_caches(1, min(2048, model.args.max_position_embeddings))
@@ -179,10 +184,16 @@ def bench_smollm(a, res):
     sm = {"prompts": len(ids), "max_new_tokens": a.max_new_bench, "warmup_s": round(time.perf_counter() - t, 1)}
     res["smollm2"] = sm
     runs = {"plain": [], "chain5": [], "tree": []}
+    if plain_drafter is not None:
+        for x in ids[:2]:
+            decode_tree(model, plain_drafter, x, 32, tree, target.eos_ids, graphs)
+        runs["tree_uncompiled_drafter"] = []
     for x in ids:
         runs["plain"].append(decode_plain(model, x, a.max_new_bench, target.eos_ids, graphs))
         runs["chain5"].append(decode_chain(model, drafter, x, a.max_new_bench, 5, target.eos_ids, graphs))
         runs["tree"].append(decode_tree(model, drafter, x, a.max_new_bench, tree, target.eos_ids, graphs))
+        if plain_drafter is not None:
+            runs["tree_uncompiled_drafter"].append(decode_tree(model, plain_drafter, x, a.max_new_bench, tree, target.eos_ids, graphs))
 
     def summary(gens, base=None):
         n, secs = sum(len(g.tokens) for g in gens), sum(g.seconds for g in gens)
@@ -207,6 +218,12 @@ def bench_smollm(a, res):
         agree = sum(dec.greedy_agreement(model, x, g.tokens, graphs) for x, g in zip(ids, runs[name]))
         sm[name].update(identical_prompts=f"{same}/{len(ids)}", greedy_agreement=round(agree / sm[name]["tokens"], 5))
     sm["tree"]["settings"] = {"topk": tree.topk, "steps": tree.steps, "num_draft_tokens": tree.num_draft_tokens}
+    sm["drafter_compiled"] = getattr(drafter, "compile_backend", None) or False
+    if plain_drafter is not None:  # the same tree decoding with the drafter's steps left uncompiled
+        sm["tree_uncompiled_drafter"] = summary(runs["tree_uncompiled_drafter"])
+        sm["tree_uncompiled_drafter"]["speedup"] = round(sm["tree_uncompiled_drafter"]["tok_s"] / base, 3)
+        sm["tree_uncompiled_drafter"]["identical_to_compiled_prompts"] = sum(
+            u.tokens == c.tokens for u, c in zip(runs["tree_uncompiled_drafter"], runs["tree"]))
     sm["bf16_greedy_agreement_ge_99pct"] = all(sm[n]["greedy_agreement"] >= 0.99 for n in ("chain5", "tree"))
     dump(Path(a.out), "bench.json", res)
     if a.t1:  # T=1: plain sampling vs lossless tree sampling, same engine
@@ -523,6 +540,10 @@ def main():
     ap.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True, help="bench: also HF generate")
     ap.add_argument("--drafter", help="bench: an exported drafter folder instead of this run's training output")
     ap.add_argument("--sections", default=",".join(["smollm2_shape", "llama8b_shape", *TTT_PATHS]), help="engine: which sections, in order")
+    ap.add_argument("--compile-drafter", action=argparse.BooleanOptionalAction, default=True,
+                    help="bench: compile the drafter's drafting steps (Eagle3Drafter.optimize)")
+    ap.add_argument("--drafter-ab", action=argparse.BooleanOptionalAction, default=True,
+                    help="bench: also time the tree with the drafter uncompiled")
     ap.add_argument("--engine", default="compiled", choices=ENGINE_VARIANTS[1:], help="bench: how the SmolLM2 engine is optimised")
     ap.add_argument("--with-8b", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--gguf")

@@ -245,7 +245,8 @@ def decode_chain(model: Transformer, drafter: Eagle3Drafter, prompt: torch.Tenso
     capture = drafter.cfg.aux_layer_ids
     model.setup_caches(1, T + max_new + 2 * k + 2)
     drafter.setup_caches(1, T + max_new + 2 * k + 2)
-    verify, chain, rows = target_step(model, capture), draft_chain(drafter, k), drafter_rows(drafter)
+    verify, chain, rows = target_step(model, capture), drafter.compiled(draft_chain(drafter, k)), drafter.compiled(drafter_rows(drafter))
+    keys = (id(model), model.max_len, id(drafter), drafter.max_len)  # a graph bakes in modules and cache buffers
     sync(dev)
     t0 = time.perf_counter()
     pending, first = prefill(model, prompt, capture)
@@ -258,10 +259,10 @@ def decode_chain(model: Transformer, drafter: Eagle3Drafter, prompt: torch.Tenso
     h = h[:, -1:]
     while not finish(gen.tokens, max_new, eos_ids)[1]:
         t1 = time.perf_counter()
-        drafts = graphs(("chain", k), chain, h, pos).clone()
+        drafts = graphs(("chain", k, *keys), chain, h, pos).clone()
         sync(dev)
         t2 = time.perf_counter()
-        best, aux = graphs(("verify", k + 1), verify, torch.cat([pending, drafts])[None], pos)
+        best, aux = graphs(("verify", k + 1, *keys), verify, torch.cat([pending, drafts])[None], pos)
         n = accept_greedy(best, drafts)
         gen.draft_seconds += t2 - t1
         gen.verify_seconds += time.perf_counter() - t2
@@ -270,7 +271,7 @@ def decode_chain(model: Transformer, drafter: Eagle3Drafter, prompt: torch.Tenso
         gen.accept_lengths.append(n + 1)
         # drafter catch-up on the verified rows pos..pos+n, overwriting its speculative slots
         padded = torch.cat([accepted, drafts[n:]])[None]  # (1, k+1)
-        h = graphs(("rows", k + 1), rows, padded, aux, pos)[:, n : n + 1].clone()
+        h = graphs(("rows", k + 1, *keys), rows, padded, aux, pos)[:, n : n + 1].clone()
         pending, pos = accepted[-1:].clone(), pos + n + 1
     sync(dev)
     gen.tokens = finish(gen.tokens, max_new, eos_ids)[0]
@@ -794,7 +795,7 @@ def decode_tree(model: Transformer, drafter: Eagle3Drafter, prompt: torch.Tensor
     dev, T = prompt.device, prompt.shape[1]
     model.setup_caches(1, T + max_new + spec.num_draft_tokens + 2)
     drafter.setup_caches(1, T + max_new + spec.steps * spec.topk + 2)
-    draft, verify = draft_greedy(drafter, spec), verify_greedy(model, drafter, spec)
+    draft, verify = drafter.compiled(draft_greedy(drafter, spec)), verify_greedy(model, drafter, spec)
     # a graph bakes in its modules and their cache buffers (replaced only when they grow)
     keys = (("tree-draft", spec, id(drafter), drafter.max_len),
             ("tree-verify", spec, id(model), model.max_len, id(drafter), drafter.max_len))

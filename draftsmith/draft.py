@@ -171,6 +171,22 @@ class Eagle3Drafter(nn.Module):
 
     # ------------------------------------------------------------------ inference
 
+    def optimize(self, compile_backend: str | None = None) -> "Eagle3Drafter":
+        """Inference only, like Transformer.optimize: fused qkv and gate/up matmuls; with a
+        `compile_backend` (e.g. "inductor") the decoders compile their whole drafting steps (every
+        level of a tree draft, a chain's k steps, the catch-up rows) with torch.compile, so norms,
+        rotary, cache writes, softmax, top-k bookkeeping and the head fuse into few kernels."""
+        if not hasattr(self.midlayer.mlp, "gate_up"):
+            self.midlayer.self_attn.fuse()
+            self.midlayer.mlp.fuse()
+        self.compile_backend = compile_backend
+        return self
+
+    def compiled(self, fn):
+        """`fn`, a drafting step of this drafter, compiled as optimize() asked (else `fn` itself)."""
+        backend = getattr(self, "compile_backend", None)
+        return torch.compile(fn, backend=backend, fullgraph=True) if backend else fn
+
     def setup_caches(self, batch: int, max_len: int):
         """Like Transformer.setup_caches: a large enough cache is kept (graphs stay valid)."""
         p = self.fc.weight

@@ -148,6 +148,27 @@ def test_tree_equals_greedy_for_stub_drafters(target, p_right):
         assert set(out.accept_lengths) == {1}
 
 
+@pytest.mark.parametrize("kind", ["trained-shape", "sometimes-right"])
+def test_compiled_drafting_steps_decode_the_same(target, kind):
+    """Eagle3Drafter.optimize(backend): the fused drafter's drafting steps run under torch.compile
+    (fullgraph, so any graph break fails here); chain and tree then give the same tokens and the same
+    accept lengths as the drafter as it was trained (a real drafter module, and a stub that is right
+    half the time so that acceptance paths run too)."""
+    import copy
+    prompt = torch.randint(3, 320, (1, 8), generator=torch.Generator().manual_seed(3))
+    if kind == "trained-shape":
+        drafter = tiny_drafter(target, draft_vocab=200)
+    else:
+        oracle = prompt[0].tolist() + decode_plain(target, prompt, 30).tokens + [0] * 20
+        drafter = OracleDrafter(DraftConfig.from_target(target.args, target.args.vocab_size), oracle, 0.5)
+    fast = copy.deepcopy(drafter).optimize("eager")
+    assert hasattr(fast.midlayer.mlp, "gate_up") and not hasattr(drafter.midlayer.mlp, "gate_up")
+    spec = TreeSpec(3, 4, 10)
+    for decode in (lambda d: decode_chain(target, d, prompt, 30, 3), lambda d: decode_tree(target, d, prompt, 30, spec)):
+        ref, got = decode(drafter), decode(fast)
+        assert got.tokens == ref.tokens and got.accept_lengths == ref.accept_lengths
+        assert kind == "trained-shape" or max(ref.accept_lengths) > 1
+
 def test_hand_built_tree_mask_and_commit(target):
     """Each node's logits equal a plain forward over prefix + its path; after the commit the cache
     holds the accepted path contiguously, so decoding continues exactly as plain greedy does."""
