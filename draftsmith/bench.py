@@ -120,7 +120,8 @@ def run(config: BenchConfig) -> BenchResult:
 
     def spec(x, n):
         if config.temperature > 0 and config.mode == "tree":
-            return decode_tree_sampled(model, drafter, x, n, tree, config.temperature, config.top_p, target.eos_ids, gen)
+            return decode_tree_sampled(model, drafter, x, n, tree, config.temperature, config.top_p, target.eos_ids, gen,
+                                       graphs)
         if config.temperature > 0:
             return decode_chain_sampled(model, drafter, x, n, k, config.temperature, config.top_p, target.eos_ids, gen)
         if config.mode == "tree":

@@ -58,6 +58,21 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0, g
     return torch.multinomial(probs(logits, temperature, top_p), 1, generator=generator).squeeze(-1)
 
 
+def gumbel_keys(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """log p plus Gumbel noise -log(-log u), u uniform in [0, 1): the argmax over the last dim is an
+    exact sample from p, the top k a sample of k without replacement in draw order (Gumbel-max,
+    Gumbel-top-k). Tokens of probability 0 key -inf whatever u is, so they are never chosen."""
+    u = u.clamp(min=torch.finfo(u.dtype).tiny)
+    return torch.where(p > 0, p.log() - (-u.log()).log(), float("-inf"))
+
+
+def gumbel_sample(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """(B, V) distributions, (B, V) uniforms -> (B,) tokens drawn from p. The randomness is an input,
+    so a CUDA graph can run this with uniforms the host drew from the caller's generator (a captured
+    graph cannot draw from a user torch.Generator)."""
+    return gumbel_keys(p, u).argmax(-1)
+
+
 @torch.no_grad()
 def generate_batch(model: Transformer, prompts: list[list[int]], max_new: int, eos_ids=(), temperature: float = 0.0,
                    top_p: float = 1.0, generator=None) -> list[list[int]]:
@@ -143,27 +158,39 @@ def target_step(model: Transformer, capture=()):
 
 def next_token_step(model: Transformer, temperature: float = 0.0, top_p: float = 1.0, generator=None):
     """The target over tokens (1, T) at slots pos..pos+T-1 -> (1,) the token after them. Plain decoding's
-    step; at temperature 0 its graph (key ("plain", 1)) is the one greedy_agreement replays."""
-    def step(tokens, pos):
+    step; at temperature 0 its graph (key ("plain", 1)) is the one greedy_agreement replays. Given
+    uniforms u (1, V) it samples with them (gumbel_sample) instead of drawing from `generator`."""
+    def step(tokens, pos, u=None):
         h = model(tokens, pos + torch.arange(tokens.shape[1], device=pos.device)).hidden
-        return sample(model.logits(h[:, -1]), temperature, top_p, generator)
+        logits = model.logits(h[:, -1])  # (1, V)
+        if u is not None and temperature > 0:
+            return gumbel_sample(probs(logits, temperature, top_p), u)
+        return sample(logits, temperature, top_p, generator)
     return step
 
 
 @torch.no_grad()
 def decode_plain(model: Transformer, prompt: torch.Tensor, max_new: int, eos_ids=(), graphs: Graphs | None = None,
                  temperature: float = 0.0, top_p: float = 1.0, generator=None) -> Generation:
-    """One target step per token: greedy (graph-captured on CUDA), or sampled (eager) when temperature > 0.
-    The step feeds itself (its token and position stay on the device), so captured steps run back to
-    back and the host looks at the tokens every CHECK_EVERY steps; eager, it looks after each one."""
-    graphs = graphs if graphs is not None and temperature <= 0 else eager()
+    """One target step per token, greedy or sampled (temperature > 0), graph-captured when `graphs` is
+    enabled. The step feeds itself (its token and position stay on the device), so captured steps run
+    back to back and the host looks at the tokens every CHECK_EVERY steps; eager, after each one.
+    Sampling: a captured step cannot draw from `generator`, so before each block of steps the host
+    draws one row of uniforms per step into a buffer the graph reads; a counter on the device picks
+    the step's row and gumbel_sample turns it into an exact sample from probs()."""
+    graphs = graphs or eager()
     dev = prompt.device
     T = prompt.shape[1]
     model.setup_caches(1, T + max_new + 1)
     step = next_token_step(model, temperature, top_p, generator)
+    sampled, every = temperature > 0, CHECK_EVERY if graphs.enabled else 1
 
-    def advance(tok, pos, out):  # tok (1, 1) at slot pos -> out[pos] = the token after it
-        nxt = step(tok, pos)
+    def advance(tok, pos, out, noise, row):  # tok (1, 1) at slot pos -> out[pos] = the token after it
+        u = None
+        if sampled:
+            u = noise.index_select(0, row)  # (1, V) this step's uniforms
+            row.add_(1)
+        nxt = step(tok, pos, u)
         out.index_copy_(0, pos, nxt)
         tok.copy_(nxt[None])
         pos.add_(1)
@@ -173,12 +200,18 @@ def decode_plain(model: Transformer, prompt: torch.Tensor, max_new: int, eos_ids
     tok = step(prompt, torch.zeros(1, dtype=torch.long, device=dev))  # prefill
     sync(dev)
     t_prefill = time.perf_counter() - t0
-    key = ("plain_loop", model.max_len)
-    _, _, buf = graphs.start(key, advance, tok[None], torch.tensor([T], device=dev),
-                             torch.zeros(model.max_len, dtype=torch.long, device=dev))
-    (out, done), every = finish([int(tok)], max_new, eos_ids), CHECK_EVERY if graphs.enabled else 1
+    # a graph bakes in the model, its cache buffers and the sampling settings (not the generator)
+    key = ("plain_loop", id(model), model.max_len) + ((temperature, top_p) if sampled else ())
+    noise = torch.zeros(every if sampled else 0, model.args.vocab_size, device=dev)  # (every, V)
+    _, _, buf, noise, row = graphs.start(key, advance, tok[None], torch.tensor([T], device=dev),
+                                         torch.zeros(model.max_len, dtype=torch.long, device=dev), noise,
+                                         torch.zeros(1, dtype=torch.long, device=dev))
+    out, done = finish([int(tok)], max_new, eos_ids)
     while not done:
         n = min(every, max_new - len(out))
+        if sampled:  # fresh uniforms for the block's n steps, from the caller's generator
+            noise[:n].uniform_(generator=generator)
+            row.zero_()
         for _ in range(n):
             graphs.replay(key)
         start = T + len(out) - 1
@@ -444,8 +477,7 @@ def expand_sampled(logits: torch.Tensor, parent_score: torch.Tensor, k: int, tem
     sampled_order); children past q's support score -inf and do not exist.
     logits: (F, Vd), parent_score: (F,) -> scores (F, k), draft ids (F, k), q (F, Vd)."""
     q = probs(logits, temperature, top_p)
-    u = torch.rand(q.shape, generator=generator, device=q.device).clamp_(min=torch.finfo(q.dtype).tiny)
-    keys, ids = (q.log() - (-u.log()).log()).topk(k, dim=-1)  # (F, k)
+    keys, ids = gumbel_keys(q, torch.rand(q.shape, generator=generator, device=q.device)).topk(k, dim=-1)  # (F, k)
     left, best = q.clone(), []
     for i in range(k):
         best.append(left.amax(-1))
@@ -520,7 +552,7 @@ def draft_tree(drafter: Eagle3Drafter, last_hidden: torch.Tensor, pos: int, spec
                 node = parents[node]
         all_tokens = torch.cat(tok_chunks)
         fr = torch.tensor(frontier, device=dev)
-        h = graphs(("dtree", F_), step, all_tokens[fr][None], hidden, torch.tensor(slots, device=dev),
+        h = graphs(("dtree", F_, id(drafter), S), step, all_tokens[fr][None], hidden, torch.tensor(slots, device=dev),
                    mask[None, None].to(dev), torch.full((1, F_), pos - 2 + d, device=dev))
         score, ids, q = expand(h[0], torch.cat(score_chunks)[fr])
         base = len(parents)
@@ -612,7 +644,8 @@ def verify_tree(model: Transformer, pending: torch.Tensor, tree: DraftTree, pos:
     rope = pos + torch.cat([torch.zeros(1, dtype=torch.long), tree.depth])[None]
     sampled = temperature > 0
     head = (lambda logits: probs(logits, temperature, top_p)) if sampled else None
-    key = ("tree-p", n_nodes, temperature, top_p) if sampled else ("tree", n_nodes)
+    # a graph bakes in the model, its cache buffers (mask width), the aux layers and the head
+    key = ("tree", n_nodes, id(model), model.max_len, tuple(capture)) + (("p", temperature, top_p) if sampled else ())
     out, aux = graphs(key, masked_step(model, capture, head), seq, torch.arange(pos, pos + n_nodes, device=dev),
                       mask[None, None].to(dev), rope.to(dev))
     path, nxt = accept_tree_sampled(out, tree, generator) if sampled else accept_tree_greedy(out, tree)
@@ -624,12 +657,14 @@ def verify_tree(model: Transformer, pending: torch.Tensor, tree: DraftTree, pos:
 
 @torch.no_grad()
 def decode_tree_sampled(model: Transformer, drafter: Eagle3Drafter, prompt: torch.Tensor, max_new: int, tree: TreeSpec,
-                        temperature: float, top_p: float = 1.0, eos_ids=(), generator=None) -> Generation:
+                        temperature: float, top_p: float = 1.0, eos_ids=(), generator=None,
+                        graphs: Graphs | None = None) -> Generation:
     """Tree speculation at temperature > 0 whose output is distributed exactly as the target's own
     sampling (same temperature and top-p): children sampled without replacement from the drafter,
-    nodes selected in sampled_order, recursive rejection sampling down the tree. Eager, like
-    decode_chain_sampled; temperature 0 is decode_tree."""
-    return tree_loop(model, drafter, prompt, max_new, tree, eos_ids, eager(), temperature, top_p, generator)
+    nodes selected in sampled_order, recursive rejection sampling down the tree. With `graphs`, the
+    drafter's level steps and the target's verify pass (deterministic: their randomness is drawn
+    outside them) are graphs, one per shape; the rest is host-driven. Temperature 0 is decode_tree."""
+    return tree_loop(model, drafter, prompt, max_new, tree, eos_ids, graphs or eager(), temperature, top_p, generator)
 
 
 def tree_loop(model: Transformer, drafter: Eagle3Drafter, prompt: torch.Tensor, max_new: int, spec: TreeSpec, eos_ids,

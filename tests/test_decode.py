@@ -1,6 +1,8 @@
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from draftsmith.cudagraph import Graphs, eager
 from draftsmith.decode import decode_chain, decode_plain
 from draftsmith.draft import DraftConfig
 
@@ -416,6 +418,61 @@ def test_acceptance_rule_reproduces_the_target_distribution():
     assert total_variation(q[0], p[0]) > 0.2  # the drafter really was wrong, so rejections happened
 
 
+def test_gumbel_sampling_is_exact_and_never_picks_a_zero_probability_token():
+    from draftsmith.decode import gumbel_sample
+
+    p = torch.tensor([0.5, 0.0, 0.3, 0.2, 0.0])
+    N = 20000
+    tokens = gumbel_sample(p.expand(N, 5), torch.rand(N, 5, generator=torch.Generator().manual_seed(0)))
+    assert total_variation(tokens.bincount(minlength=5) / N, p) < 0.015  # noise: ~0.004
+    for x in (0.0, 1 - 2**-24, 1.0):  # the extremes of the uniforms, and 1 which [0, 1) never draws
+        for u in (torch.full((1, 5), x), torch.tensor([[0.5, x, 0.5, 0.5, x]])):
+            assert p[gumbel_sample(p[None], u)] > 0
+
+
+def exact_joint(target, prompt: torch.Tensor, temp: float, top_p: float) -> torch.Tensor:
+    """(V, V) the exact joint distribution of the 2nd and 3rd tokens the target samples after `prompt`,
+    enumerated over every first and second token (a tiny vocabulary)."""
+    V, T, dev = target.args.vocab_size, prompt.shape[1], prompt.device
+    target.setup_caches(1, T)
+    p1 = probs(target.logits(target(prompt, torch.arange(T, device=dev)).hidden[0, -1:]), temp, top_p)[0]  # (V,)
+    x = torch.cartesian_prod(torch.arange(V, device=dev), torch.arange(V, device=dev))  # (V*V, 2) every x1 x2
+    target.setup_caches(V * V, T + 2)
+    h = target(torch.cat([prompt.expand(V * V, T), x], 1), torch.arange(T + 2, device=dev)).hidden
+    p2 = probs(target.logits(h[::V, -2]), temp, top_p)  # (V, V): p(x2 | x1)
+    p3 = probs(target.logits(h[:, -1]), temp, top_p).view(V, V, V)  # p(x3 | x1, x2)
+    return torch.einsum("a,ab,abc->bc", p1, p2, p3).cpu()
+
+
+def sampled_joint(target, prompt: torch.Tensor, temp: float, top_p: float, n: int, graphs=None) -> torch.Tensor:
+    """(V, V) the empirical joint of the 2nd and 3rd tokens of n runs of decode_plain."""
+    V = target.args.vocab_size
+    gen, counts = torch.Generator(prompt.device).manual_seed(0), torch.zeros(V, V)
+    for _ in range(n):
+        tokens = decode_plain(target, prompt, 3, graphs=graphs, temperature=temp, top_p=top_p, generator=gen).tokens
+        counts[tokens[1], tokens[2]] += 1
+    return counts / n
+
+
+@pytest.mark.parametrize("temp,top_p", [(1.0, 1.0), (0.7, 0.8)])
+def test_sampled_plain_matches_the_targets_own_distribution(one_thread, monkeypatch, temp, top_p):
+    """decode_plain at temperature > 0 samples every token after the first with gumbel_sample from
+    uniforms drawn ahead (the graph-capturable way). On an 8-token vocabulary the joint of the 2nd
+    and 3rd tokens matches the exact one, top-p's cut tokens never appear, and a wrong noise
+    transform fails the same check."""
+    import draftsmith.decode as decode
+
+    target = tiny_native(vocab=8)
+    prompt = torch.randint(3, 8, (1, 5), generator=torch.Generator().manual_seed(1))
+    exact = exact_joint(target, prompt, temp, top_p)
+    got = sampled_joint(target, prompt, temp, top_p, 600)
+    assert total_variation(got, exact) < 0.17  # sampling noise: mean 0.12 and 0.08, 0.17 and 0.13 at the 1e-4 quantile
+    if top_p < 1.0:
+        assert (exact == 0).any() and got[exact == 0].sum() == 0
+        monkeypatch.setattr(decode, "gumbel_sample", lambda p, u: (p * u).argmax(-1))  # argmax(log p + log u)
+        assert total_variation(sampled_joint(target, prompt, temp, top_p, 300), exact) > 0.25
+
+
 def test_sampled_chain_matches_the_targets_own_distribution(monkeypatch):
     """Second generated token (the first that goes through speculation): the empirical distribution of
     speculative sampling vs the exact marginal sum_x1 p(x1) p(x2 | x1) of the target. The same test
@@ -587,3 +644,137 @@ def test_a_prefix_whose_length_reads_the_childrens_tokens_is_detected(one_thread
 
     monkeypatch.setattr(decode, "expand_sampled", scored_by_own_token(prefix=True))
     assert bigram_tv(2000)[1] > 0.05  # the correct sampler stays below 0.045 (previous test)
+
+
+# --------------------------------------------------------------------------- graphs, captured on the CPU
+
+
+class CapturedOnCPU(Graphs):
+    """Graphs' CUDA path on the CPU: steps captured once per key into static buffers and replayed,
+    every run of a step under CaptureRules, which fails on what a CUDA graph cannot hold."""
+
+    def __init__(self):
+        super().__init__(True)
+
+    @staticmethod
+    def capture(fn, inputs, clone: bool = True):
+        static_in = [x.clone() for x in inputs] if clone else list(inputs)
+        graph = Replay(fn, static_in)
+        graph.replay()  # as the real capture's warm-up (Graphs.start loads the inputs again)
+        return static_in, graph, graph.out
+
+
+class Replay:
+    def __init__(self, fn, static_in):
+        self.fn, self.static_in, self.out = fn, static_in, None
+
+    def replay(self):
+        with CaptureRules():
+            out = self.fn(*self.static_in)
+        if self.out is None:
+            self.out = out
+        elif isinstance(out, tuple):  # a graph's outputs are the same buffers at every replay
+            for buf, x in zip(self.out, out):
+                buf.copy_(x)
+        else:
+            self.out.copy_(out)
+
+
+class CaptureRules(TorchDispatchMode):
+    """Fails on a read of a tensor's value on the host (.item(), bool(), int(); .tolist() bypasses
+    dispatch, so it is patched), on an output shape that depends on values (nonzero, boolean-mask
+    indexing) and on a random draw: on CUDA the first two sync, which capture forbids, and a draw
+    from the caller's generator inside a graph would replay the same numbers."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        masked = name == "index" and any(i is not None and i.dtype == torch.bool for i in args[1])
+        if name in ("_local_scalar_dense", "nonzero") or masked or torch.Tag.nondeterministic_seeded in func.tags:
+            raise AssertionError(f"{func} inside a captured step")
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        self.tolist = torch.Tensor.tolist
+        torch.Tensor.tolist = no_tolist
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self.tolist
+        return super().__exit__(*exc)
+
+
+def no_tolist(tensor):
+    raise AssertionError("tolist inside a captured step")
+
+
+def test_capture_rules_catch_host_reads_and_random_draws():
+    graphs, x = CapturedOnCPU(), torch.ones(1, 3)
+    for i, step in enumerate([lambda x: x.sum().item() * x, lambda x: torch.multinomial(x, 1), lambda x: x.tolist(),
+                              lambda x: x[x > 0]]):
+        with pytest.raises(AssertionError):
+            graphs(("bad", i), step, x)
+    assert torch.equal(graphs(("good",), lambda x: probs(x, 1.0, 0.9).argmax(-1), x), torch.zeros(1, dtype=torch.long))
+
+
+def test_captured_sampling_steps_decode_as_eager(one_thread, target):
+    """With graphs enabled (captured on the CPU) plain sampling runs in blocks of CHECK_EVERY steps
+    that read uniforms the host drew ahead, and the sampled tree's drafter levels and verify pass
+    are replayed steps: the same seed gives the same tokens (and accept lengths) as eager decoding,
+    across blocks and at an EOS inside one. (The CPU generator fills a (16, V) block with the numbers
+    16 draws of (1, V) would give, so the uniforms are the same.)"""
+    prompt = torch.randint(3, 320, (1, 8), generator=torch.Generator().manual_seed(3))
+    graphs = CapturedOnCPU()
+
+    def plain(g, **kw):
+        return decode_plain(target, prompt, 40, graphs=g, temperature=0.8, top_p=0.9,
+                            generator=torch.Generator().manual_seed(0), **kw).tokens
+
+    ref = plain(None)
+    assert plain(graphs) == ref and plain(eager()) == ref
+    eos = ref[20]  # inside the second block of captured steps
+    assert plain(graphs, eos_ids=(eos,)) == plain(None, eos_ids=(eos,)) == ref[: ref.index(eos) + 1]
+    assert decode_plain(target, prompt, 40, graphs=graphs).tokens == decode_plain(target, prompt, 40).tokens
+    drafter, spec = tiny_drafter(target, draft_vocab=200), TreeSpec(3, 3, 6)
+    runs = [decode_tree_sampled(target, drafter, prompt, 30, spec, 0.8, 0.9, generator=torch.Generator().manual_seed(0),
+                                graphs=g) for g in (None, graphs)]
+    assert runs[0].tokens == runs[1].tokens and runs[0].accept_lengths == runs[1].accept_lengths
+    assert {key[0] for key in graphs.entries} == {"plain_loop", "dtree", "tree"}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_graphed_sampling_on_cuda_keeps_the_distribution():
+    """On CUDA, sampled plain decoding and the sampled tree's steps are captured as CUDA graphs (capture
+    fails on a sync or a random draw inside them). Plain sampling keeps the target's joint distribution
+    and syncs once per further CHECK_EVERY tokens; the sampled tree gives eager's tokens for the same
+    seed (its randomness is drawn outside the graphs, which compute what eager kernels do)."""
+    import warnings
+
+    from draftsmith.decode import CHECK_EVERY
+
+    small = tiny_native(vocab=8).cuda()
+    prompt = torch.randint(3, 8, (1, 5), generator=torch.Generator().manual_seed(1)).cuda()
+    got = sampled_joint(small, prompt, 0.7, 0.8, 600, Graphs(True))
+    assert total_variation(got, exact_joint(small, prompt, 0.7, 0.8)) < 0.17
+    target, graphs = tiny_native().cuda(), Graphs(True)
+    prompt = torch.randint(3, 320, (1, 7), generator=torch.Generator().manual_seed(5)).cuda()
+    gen = torch.Generator("cuda").manual_seed(0)
+
+    def syncs(max_new):
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                out = decode_plain(target, prompt, max_new, graphs=graphs, temperature=0.8, top_p=0.9, generator=gen)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert len(out.tokens) == max_new
+        return len([w for w in caught if "synchroniz" in str(w.message)])
+
+    decode_plain(target, prompt, 4 * CHECK_EVERY + 1, graphs=graphs, temperature=0.8, top_p=0.9, generator=gen)  # capture
+    assert syncs(4 * CHECK_EVERY + 1) - syncs(CHECK_EVERY + 1) <= 3  # 4 blocks of steps against 1
+    drafter, spec = tiny_drafter(target, draft_vocab=200).cuda(), TreeSpec(4, 5, 16)
+    runs = [decode_tree_sampled(target, drafter, prompt, 60, spec, 0.8, 0.9, generator=torch.Generator("cuda").manual_seed(0),
+                                graphs=g) for g in (None, graphs)]
+    assert runs[0].tokens == runs[1].tokens and runs[0].accept_lengths == runs[1].accept_lengths
+    assert any(key[0] == "tree" for key in graphs.entries) and any(key[0] == "dtree" for key in graphs.entries)
