@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from draftsmith import export, generate, train  # noqa: E402
-from draftsmith.bench import device_name, git_commit  # noqa: E402
+from draftsmith.bench import device_name, git_commit, spread  # noqa: E402
 from draftsmith.cudagraph import Graphs  # noqa: E402
 from draftsmith.data import load_eval, prompt_ids  # noqa: E402
 from draftsmith.decode import TreeSpec, decode_chain, decode_plain, decode_tree, target_step  # noqa: E402
@@ -170,7 +170,7 @@ def bench_smollm(a, res):
         import copy
         plain_drafter = copy.deepcopy(drafter) if a.drafter_ab else None
         drafter.optimize("inductor")
-    qs = load_eval(Path(a.data) / "eval" / "mt_bench.jsonl")[: a.num_prompts]
+    qs = spread(load_eval(Path(a.data) / "eval" / "mt_bench.jsonl"), a.num_prompts)  # all 80 by default
     ids = [torch.tensor([prompt_ids(target.tokenizer, q.turns)], device=a.device) for q in qs]
     model.setup_caches(1, min(2048, model.args.max_position_embeddings))
     drafter.setup_caches(1, min(2048, model.args.max_position_embeddings))

@@ -98,6 +98,21 @@ def git_commit() -> str:
         return "unknown"
 
 
+def spread(items: list, n: int) -> list:
+    """n of items spaced evenly through the file (all of them when n >= len): on MT-bench, whose 80
+    prompts come as 8 categories of 10, a subset of 8 is one prompt of every category rather than
+    the first 8 (all writing), so a small benchmark measures the set's mix."""
+    return list(items) if n >= len(items) else [items[i * len(items) // n] for i in range(n)]
+
+
+def pick_prompts(prompts: list, n: int, warmup: int) -> list:
+    """`warmup` prompts for compilation and caches (ones not measured when the file has enough),
+    then the n measured ones (spread)."""
+    measured = spread(prompts, n)
+    rest = [p for p in prompts if all(p is not m for m in measured)]
+    return (rest or measured)[:warmup] + measured
+
+
 def run(config: BenchConfig) -> BenchResult:
     target = load_target(config.target, config.device, dtype_of(config.dtype))
     model = target.model
@@ -107,7 +122,7 @@ def run(config: BenchConfig) -> BenchResult:
     drafter = load_any(config.drafter, model.embed_tokens.weight.detach().float().cpu())
     drafter = drafter.to(config.device, dtype_of(config.dtype)).eval()
     drafter.cfg.check_target(model.args, config.drafter)
-    prompts = load_eval(config.prompts)[: config.warmup + config.num_prompts]
+    prompts = pick_prompts(load_eval(config.prompts), config.num_prompts, config.warmup)
     dev = torch.device(config.device)
     ids = [torch.tensor([prompt_ids(target.tokenizer, p.turns)], device=dev) for p in prompts]
     graphs = Graphs(dev.type == "cuda")

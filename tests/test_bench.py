@@ -41,3 +41,13 @@ def test_bench_samples_with_trees(tiny_target_dir, tmp_path):
                         max_new_tokens=12, mode="tree", topk=2, steps=3, num_draft_tokens=4, temperature=0.8, top_p=0.9))
     assert r.prompts == 2 and r.tau_mean >= 1.0 and r.draft_s > 0 and r.verify_s > 0
     assert sum(int(k) * v for k, v in r.tau_hist.items()) + 2 >= sum(p["spec_tokens"] for p in r.per_prompt)
+
+
+def test_small_benchmarks_spread_over_the_file():
+    from draftsmith.bench import pick_prompts, spread
+    mt = [f"{cat}-{i}" for cat in "ABCDEFGH" for i in range(10)]  # MT-bench's layout: 8 categories x 10
+    assert spread(mt, 8) == [f"{c}-0" for c in "ABCDEFGH"] and spread(mt, 80) == mt and spread(mt, 99) == mt
+    assert len(set(spread(mt, 24))) == 24 and {x[0] for x in spread(mt, 24)} == set("ABCDEFGH")
+    picked = pick_prompts(mt, 8, warmup=1)
+    assert picked[1:] == spread(mt, 8) and picked[0] not in picked[1:]  # warm-up on a prompt that is not measured
+    assert pick_prompts(mt[:3], 3, warmup=1) == [mt[0], *mt[:3]]  # nothing left over: warm up on a measured one
