@@ -50,7 +50,7 @@ class BenchConfig:
     warmup: int = 1
     device: str = "cpu"
     dtype: str = "float32"
-    optimize: bool = False  # CUDA: fused qkv / gate-up matmuls and torch.compile'd decoder layers (the CPU always fuses)
+    optimize: bool = False  # CUDA: fused qkv / gate-up matmuls, torch.compile'd target layers and drafting steps (the CPU always fuses the target)
 
     def __post_init__(self):
         if self.draft_tokens < 1 or self.num_prompts < 1 or self.max_new_tokens < 1:
@@ -121,6 +121,8 @@ def run(config: BenchConfig) -> BenchResult:
         model.optimize("inductor" if cuda else None)
     drafter = load_any(config.drafter, model.embed_tokens.weight.detach().float().cpu())
     drafter = drafter.to(config.device, dtype_of(config.dtype)).eval()
+    if config.optimize and cuda:  # the drafting steps compiled whole: ~2.3x less drafting time on the H200 (run 6)
+        drafter.optimize("inductor")
     drafter.cfg.check_target(model.args, config.drafter)
     prompts = pick_prompts(load_eval(config.prompts), config.num_prompts, config.warmup)
     dev = torch.device(config.device)
