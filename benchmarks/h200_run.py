@@ -294,15 +294,16 @@ def random_model(args: ModelArgs) -> Transformer:
     return model.eval()
 
 
-def kernel_profile(run) -> dict:
+def kernel_profile(run, top_n: int = 40) -> dict:
     """Kernels one call of `run` (a graph replay) puts on the GPU, their summed device time, and the
-    five that take longest in total: how far the step is from back-to-back useful work."""
+    top_n kernel names by total time with their counts: how far the step is from back-to-back useful
+    work, and which kernels a layer is made of (a count of num_layers is one a layer) to fuse next."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run()
         sync()
     kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
-    top = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)[:5]
+    top = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)[:top_n]
     return {"kernels": len(kernels), "kernel_ms": round(sum(e.self_device_time_total for e in kernels) / 1e3, 4),
             "top": {e.key[:80]: [e.count, round(e.self_device_time_total / 1e3, 4)] for e in top}}
 
