@@ -823,9 +823,12 @@ def decode_tree(model: Transformer, drafter: Eagle3Drafter, prompt: torch.Tensor
                 eos_ids=(), graphs: Graphs | None = None) -> Generation:
     """EAGLE-2 style tree speculation at temperature 0, resident on the device. A cycle is two
     fixed-shape steps, draft_greedy then verify_greedy (CUDA graphs when `graphs` is enabled), and one
-    host read of the accepted tokens: the cycle's only sync. draft_seconds and verify_seconds are the
-    two steps' spans on the device timeline (CUDA events read after that sync, so timing adds no
-    sync); verify_seconds includes the commit and the drafter catch-up."""
+    host read of the accepted tokens: the cycle's only sync. The read is a copy queued behind the
+    verify step, and the next cycle's draft (which needs only the verify step's device outputs) is
+    queued before the host waits for it, so the device drafts while the host handles the tokens; a
+    draft queued after the last cycle is discarded. draft_seconds and verify_seconds are the two
+    steps' spans on the device timeline (CUDA events read after the sync, so timing adds no sync);
+    verify_seconds includes the commit and the drafter catch-up."""
     graphs = graphs or eager()
     dev, T = prompt.device, prompt.shape[1]
     model.setup_caches(1, T + max_new + spec.num_draft_tokens + 2)
@@ -842,17 +845,29 @@ def decode_tree(model: Transformer, drafter: Eagle3Drafter, prompt: torch.Tensor
     gen = Generation([int(pending)], 0.0, time.perf_counter() - t0)
     pos = torch.tensor([T], device=dev)
     done = finish(gen.tokens, max_new, eos_ids)[1]
+
+    def draft_next():  # -> the tree and the draft's span on the device timeline
+        start = mark(dev)
+        return graphs(keys[0], draft, h, pos), start, mark(dev)
+
+    tree, d0, d1 = draft_next()
+    host = None
     while not done:
-        t = [mark(dev)]
-        tree = graphs(keys[0], draft, h, pos)
-        t.append(mark(dev))
         out, h, pending, pos = graphs(keys[1], verify, pending, tree.tokens, tree.parents, tree.depth, pos)
-        t.append(mark(dev))
-        n, *new = out.tolist()
+        v1 = mark(dev)
+        if host is None:
+            host = torch.empty(out.shape, dtype=out.dtype, pin_memory=dev.type == "cuda")
+        host.copy_(out, non_blocking=True)
+        landed = mark(dev)
+        tree, *span = draft_next()  # the next cycle's draft runs while the host reads this one's tokens
+        if not isinstance(landed, float):
+            landed.synchronize()
+        n, *new = host.tolist()
         gen.tokens += new[: n + 1]
         gen.accept_lengths.append(n + 1)
-        gen.draft_seconds += elapsed(t[0], t[1])
-        gen.verify_seconds += elapsed(t[1], t[2])
+        gen.draft_seconds += elapsed(d0, d1)
+        gen.verify_seconds += elapsed(d1, v1)
+        d0, d1 = span
         gen.tokens, done = finish(gen.tokens, max_new, eos_ids)
     sync(dev)
     gen.seconds = time.perf_counter() - t0

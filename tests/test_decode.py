@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -676,8 +678,12 @@ class Replay:
         elif isinstance(out, tuple):  # a graph's outputs are the same buffers at every replay
             for buf, x in zip(self.out, out):
                 buf.copy_(x)
-        else:
+        elif isinstance(out, torch.Tensor):
             self.out.copy_(out)
+        else:  # a dataclass of tensors (DraftTree)
+            for f in dataclasses.fields(out):
+                if isinstance(getattr(out, f.name), torch.Tensor):
+                    getattr(self.out, f.name).copy_(getattr(out, f.name))
 
 
 class CaptureRules(TorchDispatchMode):
@@ -778,3 +784,18 @@ def test_graphed_sampling_on_cuda_keeps_the_distribution():
                                 graphs=g) for g in (None, graphs)]
     assert runs[0].tokens == runs[1].tokens and runs[0].accept_lengths == runs[1].accept_lengths
     assert any(key[0] == "tree" for key in graphs.entries) and any(key[0] == "dtree" for key in graphs.entries)
+
+
+def test_captured_greedy_chain_and_tree_decode_as_eager(target):
+    """Greedy chain and tree decoding with graphs enabled (captured on the CPU, where a host read,
+    a value-dependent shape or a random draw inside a step fails): the same tokens and accept lengths
+    as eager decoding. The tree queues each next draft before reading the verified tokens, so a
+    replayed draft must take the verify step's device outputs, not the host's view of them."""
+    prompt = torch.randint(3, 320, (1, 8), generator=torch.Generator().manual_seed(4))
+    oracle = prompt[0].tolist() + decode_plain(target, prompt, 40).tokens + [0] * 20
+    drafter = OracleDrafter(DraftConfig.from_target(target.args, target.args.vocab_size), oracle, 0.6)
+    for decode in (lambda g: decode_chain(target, drafter, prompt, 40, 3, graphs=g),
+                   lambda g: decode_tree(target, drafter, prompt, 40, TreeSpec(2, 4, 6), graphs=g)):
+        ref, got = decode(None), decode(CapturedOnCPU())
+        assert got.tokens == ref.tokens and got.accept_lengths == ref.accept_lengths
+        assert max(ref.accept_lengths) > 1
