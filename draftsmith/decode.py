@@ -854,12 +854,10 @@ def decode_tree(model: Transformer, drafter: Eagle3Drafter, prompt: torch.Tensor
         return graphs(keys[0], draft, h, pos), start, mark(dev)
 
     tree, d0, d1 = draft_next()
-    host = None
+    host = torch.empty(min(spec.steps, spec.nodes) + 2, dtype=torch.long, pin_memory=dev.type == "cuda")  # verify's out
     while not done:
         out, h, pending, pos = graphs(keys[1], verify, pending, tree.tokens, tree.parents, tree.depth, pos)
         v1 = mark(dev)
-        if host is None:
-            host = torch.empty(out.shape, dtype=out.dtype, pin_memory=dev.type == "cuda")
         host.copy_(out, non_blocking=True)
         landed = mark(dev)
         tree, *span = draft_next()  # the next cycle's draft runs while the host reads this one's tokens
