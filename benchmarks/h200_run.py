@@ -126,7 +126,10 @@ def phase_train(a):
     res.update(schedule_steps=steps)
     budget = a.deadline - time.time() - 45 if a.deadline else None  # 45 s kept for evaluation and export
     t2 = time.perf_counter()
-    tr = train.run(train.TrainConfig(out=str(RUN / f"train{a.tag}"), schedule_steps=steps, max_seconds=budget, **cfg))
+    tr = train.run(train.TrainConfig(out=str(RUN / f"train{a.tag}"), schedule_steps=steps, max_seconds=budget,
+                                     profile_steps=a.profile_steps, **cfg))
+    if (RUN / f"train{a.tag}" / "profile.json").exists():  # where a training step's time went
+        res["train_profile"] = json.loads((RUN / f"train{a.tag}" / "profile.json").read_text())
     res.update(train_s=round(time.perf_counter() - t2, 1), train_steps=tr.steps, train_loop_s=round(tr.loop_seconds, 1),
                finished=tr.steps >= steps, heldout=tr.eval, vocab_coverage=tr.vocab_coverage)
     ex = export.run(export.ExportConfig(checkpoint=str(RUN / f"train{a.tag}" / "drafter"), out=str(RUN / "sglang")))
@@ -584,6 +587,8 @@ def main():
     ap.add_argument("--train-steps", type=int, help="schedule steps (skips the timing probe)")
     ap.add_argument("--train-seconds", type=float, default=170)
     ap.add_argument("--depth", type=int, default=7)
+    ap.add_argument("--profile-steps", type=int, default=0, help="train: profile this many steps (from step 10) into"
+                    " train.json's train_profile")
     ap.add_argument("--ttt-paths", default=",".join(TTT_PATHS), help="ttt: which of TTT_PATHS to time")
     ap.add_argument("--attn-impl", default="auto", help="train: TTT attention (auto | eager | flex | probe: time both, train with the faster)")
     ap.add_argument("--compile-loss", action=argparse.BooleanOptionalAction, default=None, help="train: compiled KL (default: on CUDA)")

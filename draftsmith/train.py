@@ -43,7 +43,7 @@ import json
 import math
 import os
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
@@ -106,6 +106,8 @@ class TrainConfig:
     # a rerun resumes with the schedule intact, so a long run can be cut into time-boxed calls
     device: str = "cpu"
     target_dtype: str = "float32"  # online: the target's compute dtype
+    profile_steps: int = 0  # profile this many steps after the first 10 (torch.profiler) into profile.json: where a
+    # step's time goes (device kernels vs host), for speeding training up
 
     def __post_init__(self):
         if self.ttt_depth < 1 or self.epochs < 1 or self.batch_tokens < 16:
@@ -427,6 +429,43 @@ def autocast(device: str):
     return torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else nullcontext()
 
 
+class StepProfile:
+    """torch.profiler around `count` training steps from step `first`; after the last one writes `path`: wall
+    time, summed device-kernel time (how busy the accelerator was), and the top kernels and host ops."""
+
+    def __init__(self, path: Path, first: int, count: int):
+        self.path, self.first, self.count = path, first, count
+        self.device: dict = {}  # kernel -> summed microseconds over the profiled steps
+        self.host: dict = {}  # host op -> summed self microseconds
+        self.wall: list[float] = []
+
+    @contextmanager
+    def around(self, step: int):
+        if not self.first <= step < self.first + self.count:
+            yield
+            return
+        from torch.profiler import ProfilerActivity, profile
+        cuda = torch.cuda.is_available()
+        t = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+            yield
+            if cuda:
+                torch.cuda.synchronize()
+        self.wall.append(time.perf_counter() - t)
+        for e in prof.key_averages():
+            self.device[e.key] = self.device.get(e.key, 0) + e.self_device_time_total
+            self.host[e.key] = self.host.get(e.key, 0) + e.self_cpu_time_total
+        if step == self.first + self.count - 1:
+            n = len(self.wall)
+
+            def top(d):
+                return {k[:90]: round(v / 1e3 / n, 3) for k, v in sorted(d.items(), key=lambda x: -x[1])[:30] if v}
+            self.path.write_text(json.dumps({
+                "steps": n, "from_step": self.first, "wall_ms_per_step": round(1e3 * sum(self.wall) / n, 2),
+                "device_kernel_ms_per_step": round(sum(self.device.values()) / 1e3 / n, 2),
+                "top_device_ms_per_step": top(self.device), "top_host_self_ms_per_step": top(self.host)}, indent=1))
+
+
 # --------------------------------------------------------------------------- state
 
 
@@ -621,6 +660,7 @@ def train(config: TrainConfig, world: World) -> TrainResult:
     model.train()
     limit = min(config.max_steps or total, total)
     loop_seconds = 0.0
+    profiler = StepProfile(out / "profile.json", 10, config.profile_steps if world.main else 0)
 
     def out_of_time() -> bool:  # every rank stops at the same step: rank 0's clock decides
         return config.max_seconds is not None and gather(world, [time.perf_counter() - t0 > config.max_seconds])[0]
@@ -632,7 +672,8 @@ def train(config: TrainConfig, world: World) -> TrainResult:
             if state["step"] >= limit or timed_out:
                 break
             t_step = time.perf_counter()
-            stats = train_step(model, params, opt, packs, config, world, featurize)
+            with profiler.around(state["step"]):
+                stats = train_step(model, params, opt, packs, config, world, featurize)
             sched.step()
             state.update(step=state["step"] + 1, cursor=cursor)
             seconds, tokens = time.perf_counter() - t_step, sum(pack_tokens(p) for p in packs)

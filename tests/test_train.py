@@ -279,3 +279,16 @@ def test_training_without_tensorboard_says_so_once(tiny_target_dir, tiny_hidden,
                     ttt_depth=2, batch_tokens=256, eval_fraction=0.25, max_steps=1))
     assert capsys.readouterr().out.count("tensorboard is not installed") == 1
     assert not (tmp_path / "tb").exists()
+
+
+def test_profiled_steps_say_where_the_time_goes(tiny_target_dir, tiny_hidden, tmp_path):
+    """profile_steps writes profile.json after steps 10..10+n-1; the run's results are those of an unprofiled run."""
+    common = dict(target=str(tiny_target_dir), data=str(tiny_hidden), draft_vocab_size=128, ttt_depth=2, batch_tokens=64,
+                  eval_fraction=0.25, schedule_steps=13, lr=1e-3)
+    plain = run(TrainConfig(out=str(tmp_path / "plain"), **common))
+    profiled = run(TrainConfig(out=str(tmp_path / "profiled"), profile_steps=2, **common))
+    prof = json.loads((tmp_path / "profiled" / "profile.json").read_text())
+    assert prof["steps"] == 2 and prof["from_step"] == 10 and prof["wall_ms_per_step"] > 0
+    assert any("mm" in name for name in prof["top_host_self_ms_per_step"])  # the step's matmuls were seen
+    assert not (tmp_path / "plain" / "profile.json").exists()
+    assert profiled.eval["loss"] == plain.eval["loss"]
