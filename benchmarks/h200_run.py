@@ -103,7 +103,7 @@ def phase_train(a):
     dump(out, "train.json", res)
     print(json.dumps(res), flush=True)
     cfg = dict(target=a.gguf, data=str(train_data), eval_data=eval_data, online=True, device=a.device,
-               target_dtype=a.dtype, ttt_depth=a.depth, draft_vocab_size=a.vocab, lr=a.lr, batch_tokens=a.batch_tokens, rows_per_pack=a.rows_per_pack,
+               target_dtype=a.dtype, ttt_depth=a.depth, draft_vocab_size=a.vocab, draft_intermediate_size=a.draft_intermediate, lr=a.lr, batch_tokens=a.batch_tokens, rows_per_pack=a.rows_per_pack,
                loss_chunk_tokens=a.loss_chunk, eval_fraction=0.02, save_every=200, attn_impl=a.attn_impl,  # --deadline saves on stopping; this bounds a kill
                compile_loss=a.compile_loss)
     if a.attn_impl == "probe":  # decide the TTT attention by measurement: the faster step wins
@@ -594,6 +594,7 @@ def main():
     ap.add_argument("--compile-loss", action=argparse.BooleanOptionalAction, default=None, help="train: compiled KL (default: on CUDA)")
     ap.add_argument("--ttt-rows", type=int, default=1, help="rows of 2048 tokens in the 8B-shape training step")
     ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--draft-intermediate", type=int, help="train: the drafter's MLP width (default: the target's)")
     ap.add_argument("--lr", type=float, default=5e-4)
     ap.add_argument("--batch-tokens", type=int, default=2048)
     ap.add_argument("--rows-per-pack", type=int, default=8)

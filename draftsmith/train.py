@@ -44,7 +44,7 @@ import math
 import os
 import time
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import islice
 from pathlib import Path
 
@@ -76,6 +76,8 @@ class TrainConfig:
     aux_layers: tuple[int, ...] | None = None  # online only; offline they come from the shards
     max_length: int = 2048  # online only: conversations are truncated to this many tokens
     draft_vocab_size: int = 32000  # capped at the target vocab
+    draft_intermediate_size: int | None = None  # the drafter's MLP width; None: the target's (SGLang and vLLM read it
+    # from the exported config)
     ttt_depth: int = 7
     epochs: int = 1
     lr: float = 1e-4
@@ -558,7 +560,8 @@ def build_drafter(cfg: TrainConfig, target, data, train_idx: list[int], aux: tup
         return init_drafter(cfg.init, target, aux, counts, device or cfg.device)
     vocab = build_vocab(counts, min(cfg.draft_vocab_size, args.vocab_size))
     torch.manual_seed(cfg.seed)
-    drafter = Eagle3Drafter(DraftConfig.from_target(args, len(vocab.d2t), aux))
+    dcfg = DraftConfig.from_target(args, len(vocab.d2t), aux)
+    drafter = Eagle3Drafter(replace(dcfg, intermediate_size=cfg.draft_intermediate_size or dcfg.intermediate_size))
     drafter.set_vocab(vocab.d2t, vocab.t2d)
     drafter.embed_tokens.weight.data.copy_(target.model.embed_tokens.weight)
     if cfg.init_head_from_target:

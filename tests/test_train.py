@@ -292,3 +292,30 @@ def test_profiled_steps_say_where_the_time_goes(tiny_target_dir, tiny_hidden, tm
     assert any("mm" in name for name in prof["top_host_self_ms_per_step"])  # the step's matmuls were seen
     assert not (tmp_path / "plain" / "profile.json").exists()
     assert profiled.eval["loss"] == plain.eval["loss"]
+
+
+def test_a_wider_drafter_mlp_trains_and_exports_its_width(tiny_target_dir, tiny_hidden, tmp_path):
+    """draft_intermediate_size sets the drafter's MLP width; the SGLang export carries it (config and shapes)
+    and reloads to the same logits."""
+    from draftsmith.export import ExportConfig, load_any, load_trained
+    from draftsmith.export import run as export
+
+    res = run(TrainConfig(target=str(tiny_target_dir), data=str(tiny_hidden), out=str(tmp_path / "t"), draft_vocab_size=128,
+                          draft_intermediate_size=96, ttt_depth=2, batch_tokens=128, eval_fraction=0.2, max_steps=2))
+    drafter, _ = load_trained(tmp_path / "t" / "drafter")
+    assert drafter.cfg.intermediate_size == 96 != load_target(str(tiny_target_dir)).model.args.intermediate_size
+    assert res.steps == 2
+    export(ExportConfig(checkpoint=str(tmp_path / "t" / "drafter"), out=str(tmp_path / "sglang"), dtype="float32"))
+    cfg = json.loads((tmp_path / "sglang" / "config.json").read_text())
+    sd = load_file(str(tmp_path / "sglang" / "model.safetensors"))
+    assert cfg["intermediate_size"] == 96
+    assert sd["midlayer.mlp.gate_proj.weight"].shape == (96, cfg["hidden_size"])
+    assert sd["midlayer.mlp.down_proj.weight"].shape == (cfg["hidden_size"], 96)
+    back = load_any(str(tmp_path / "sglang"), drafter.embed_tokens.weight.detach())
+    torch.manual_seed(0)
+    ids = torch.randint(0, drafter.cfg.vocab_size, (1, 10))
+    aux = torch.randn(1, 10, 3 * drafter.cfg.target_hidden_size)
+    with torch.no_grad():
+        want = [drafter.logits(o) for o in drafter.ttt(ids, aux, depth=2)]
+        got = [back.logits(o) for o in back.ttt(ids, aux, depth=2)]
+    assert all(torch.equal(w, g) for w, g in zip(want, got))
