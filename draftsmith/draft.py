@@ -330,9 +330,12 @@ def broadcast_block_mask(mask_mod, B, q_len, kv_len, device, block=128) -> Block
     partial = tiles.any(5).any(3) & ~full
 
     def ordered(tile_mask):  # per row: count, then the column indices of the set tiles first (stable)
-        tile_mask = tile_mask.to(torch.int32)
+        # contiguous: the kernels read these row-major. argsort of the transposed (.mT) masks keeps their
+        # strides, and a transposed q_indices gave the compiled backward wrong dK, dV (H200: up to 70% of a
+        # weight's largest gradient, only when a length was not a multiple of the block; the forward was exact)
+        tile_mask = tile_mask.to(torch.int32).contiguous()
         order = tile_mask.argsort(dim=-1, descending=True, stable=True)
-        return tile_mask.sum(-1, dtype=torch.int32), order.to(torch.int32)
+        return tile_mask.sum(-1, dtype=torch.int32).contiguous(), order.to(torch.int32).contiguous()
 
     (kv_n, kv_i), (fkv_n, fkv_i) = ordered(partial), ordered(full)
     (q_n, q_i), (fq_n, fq_i) = ordered(partial.mT), ordered(full.mT)  # the backward's dK, dV walk columns

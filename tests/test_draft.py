@@ -159,7 +159,7 @@ def test_ttt_attention_impl_is_checked():
 
 @pytest.mark.parametrize("T", [100, 128, 200, 300])
 def test_broadcast_block_mask_equals_create_block_mask(T):
-    """The block mask built from tensor ops is create_block_mask's, tensor for tensor (partial and full
+    """The block mask built from tensor ops is create_block_mask's, tensor for tensor and contiguous (partial and full
     tiles, both directions): T below, at and not a multiple of the 128-row tiles, packed rows with a
     padding segment (-1), an unpacked row (full tiles), every step j of a depth-4 TTT."""
     seg = torch.full((2, T), -1)
@@ -175,5 +175,8 @@ def test_broadcast_block_mask_equals_create_block_mask(T):
         for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
                      "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
             assert torch.equal(getattr(ours, name), getattr(ref, name)), (name, j)
+            # and laid out alike: the compiled kernels read them row-major (a transposed q_indices gave the
+            # H200's compiled backward wrong dK, dV while the forward stayed exact)
+            assert getattr(ours, name).is_contiguous() and getattr(ref, name).is_contiguous(), (name, j)
     if T >= 256:  # whole tiles below the diagonal exist (row 1): the full-tile path was exercised
         assert ref.full_kv_num_blocks.sum() > 0
