@@ -269,20 +269,17 @@ def accept_greedy(best: torch.Tensor, drafts: torch.Tensor) -> int:
 @torch.no_grad()
 def decode_chain(model: Transformer, drafter: Eagle3Drafter, prompt: torch.Tensor, max_new: int, k: int,
                  eos_ids=(), graphs: Graphs | None = None) -> Generation:
-    """EAGLE-3 chain speculation at temperature 0: k drafts, verify k+1 positions. With graphs
-    enabled (CUDA) it runs decode_tree's device-resident cycle (one sync a cycle, the next draft
-    queued before it): a chain is the tree of one child per level, with the same drafts, slots and
-    catch-up. Otherwise this host loop, which the device path is tested against. The catch-up always
-    runs k+1 rows; rows past the accepted ones write slots that the next cycle overwrites before any
-    query can see them."""
-    if graphs is not None and graphs.enabled:
-        return decode_tree(model, drafter, prompt, max_new, TreeSpec(1, k, k), eos_ids, graphs)
+    """EAGLE-3 chain speculation at temperature 0: k drafts, verify k+1 positions. The catch-up
+    always runs k+1 rows (fixed shape, so it can be a graph); rows past the accepted ones write
+    slots that the next cycle overwrites before any query can see them."""
+    graphs = graphs or eager()
     dev = prompt.device
     T = prompt.shape[1]
     capture = drafter.cfg.aux_layer_ids
     model.setup_caches(1, T + max_new + 2 * k + 2)
     drafter.setup_caches(1, T + max_new + 2 * k + 2)
     verify, chain, rows = target_step(model, capture), drafter.compiled(draft_chain(drafter, k)), drafter.compiled(drafter_rows(drafter))
+    keys = (id(model), model.max_len, id(drafter), drafter.max_len)  # a graph bakes in modules and cache buffers
     sync(dev)
     t0 = time.perf_counter()
     pending, first = prefill(model, prompt, capture)
@@ -295,10 +292,10 @@ def decode_chain(model: Transformer, drafter: Eagle3Drafter, prompt: torch.Tenso
     h = h[:, -1:]
     while not finish(gen.tokens, max_new, eos_ids)[1]:
         t1 = time.perf_counter()
-        drafts = chain(h, pos)
+        drafts = graphs(("chain", k, *keys), chain, h, pos).clone()
         sync(dev)
         t2 = time.perf_counter()
-        best, aux = verify(torch.cat([pending, drafts])[None], pos)
+        best, aux = graphs(("verify", k + 1, *keys), verify, torch.cat([pending, drafts])[None], pos)
         n = accept_greedy(best, drafts)
         gen.draft_seconds += t2 - t1
         gen.verify_seconds += time.perf_counter() - t2
@@ -307,8 +304,8 @@ def decode_chain(model: Transformer, drafter: Eagle3Drafter, prompt: torch.Tenso
         gen.accept_lengths.append(n + 1)
         # drafter catch-up on the verified rows pos..pos+n, overwriting its speculative slots
         padded = torch.cat([accepted, drafts[n:]])[None]  # (1, k+1)
-        h = rows(padded, aux, pos)[:, n : n + 1]
-        pending, pos = accepted[-1:], pos + n + 1
+        h = graphs(("rows", k + 1, *keys), rows, padded, aux, pos)[:, n : n + 1].clone()
+        pending, pos = accepted[-1:].clone(), pos + n + 1
     sync(dev)
     gen.tokens = finish(gen.tokens, max_new, eos_ids)[0]
     gen.seconds = time.perf_counter() - t0
