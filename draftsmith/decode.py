@@ -477,13 +477,20 @@ def expand_sampled(logits: torch.Tensor, parent_score: torch.Tensor, k: int, tem
     sampled_order); children past q's support score -inf and do not exist.
     logits: (F, Vd), parent_score: (F,) -> scores (F, k), draft ids (F, k), q (F, Vd)."""
     q = probs(logits, temperature, top_p)
-    keys, ids = gumbel_keys(q, torch.rand(q.shape, generator=generator, device=q.device)).topk(k, dim=-1)  # (F, k)
+    score, ids = children_sampled(q, parent_score, k, torch.rand(q.shape, generator=generator, device=q.device))
+    return score, ids, q
+
+
+def children_sampled(q: torch.Tensor, parent_score: torch.Tensor, k: int, u: torch.Tensor):
+    """expand_sampled's draw and scores from given uniforms u (F, Vd), with fixed shapes and no host
+    work (so inside a graph too): q (F, Vd), parent_score (F,) -> scores (F, k), draft ids (F, k)."""
+    keys, ids = gumbel_keys(q, u).topk(k, dim=-1)  # (F, k) in draw order
     left, best = q.clone(), []
     for i in range(k):
         best.append(left.amax(-1))
-        left.scatter_(-1, ids[:, i : i + 1], 0.0)
+        left = left.scatter(-1, ids[:, i : i + 1], 0.0)
     score = (parent_score[:, None] + torch.stack(best, -1).log()).cummin(-1).values  # exact monotonicity
-    return score.masked_fill(keys.isneginf(), float("-inf")), ids, q
+    return score.masked_fill(keys.isneginf(), float("-inf")), ids
 
 
 def sampled_order(score: list[float], nodes: range, parents: list[int], depth: list[int], rank: list[int]) -> list[int]:
@@ -661,10 +668,10 @@ def decode_tree_sampled(model: Transformer, drafter: Eagle3Drafter, prompt: torc
                         graphs: Graphs | None = None) -> Generation:
     """Tree speculation at temperature > 0 whose output is distributed exactly as the target's own
     sampling (same temperature and top-p): children sampled without replacement from the drafter,
-    nodes selected in sampled_order, recursive rejection sampling down the tree. With `graphs`, the
-    drafter's level steps and the target's verify pass (deterministic: their randomness is drawn
-    outside them) are graphs, one per shape; the rest is host-driven. Temperature 0 is decode_tree."""
-    return tree_loop(model, drafter, prompt, max_new, tree, eos_ids, graphs or eager(), temperature, top_p, generator)
+    nodes ranked so that selection never reads a node's own token, recursive rejection sampling down
+    the tree. decode_tree's device-resident cycle (draft_sampled, verify_sampled: one host read a cycle,
+    their uniforms drawn from `generator` outside them); tree_loop is the host-driven reference."""
+    return decode_tree(model, drafter, prompt, max_new, tree, eos_ids, graphs, temperature, top_p, generator)
 
 
 def tree_loop(model: Transformer, drafter: Eagle3Drafter, prompt: torch.Tensor, max_new: int, spec: TreeSpec, eos_ids,
@@ -778,18 +785,41 @@ def verify_greedy(model: Transformer, drafter: Eagle3Drafter, spec: TreeSpec):
     step (a CUDA graph per spec): verify(pending (1,), tokens, parents, depth (N,) each, pos (1,)) ->
     (out (D+2,): n, then the n+1 new tokens padded to D+1; h (1, 1, H) for the next draft; the next
     pending token (1,); the next pos (1,)). D is the deepest a tree of spec can be."""
+    D = min(spec.steps, spec.nodes)
+
+    def accept(hidden, tree, anc):
+        best = model.logits(hidden).argmax(-1)  # (N+1,)
+        n, rows = accept_on_device(best, tree, anc, D)  # (1,), (D+1,)
+        return n, rows, best[rows[n]]  # the bonus: the target's token after the deepest accepted node
+    return verify_cycle(model, drafter, spec, accept)
+
+
+def verify_sampled(model: Transformer, drafter: Eagle3Drafter, spec: TreeSpec, temperature: float, top_p: float = 1.0):
+    """verify_tree at temperature > 0 as one fixed-shape device step, like verify_greedy: verify(pending,
+    tokens, parents, depth, pos, rank, exists, qrow, q, u_nodes, u_vocab) with draft_sampled's tree and
+    uniforms the caller drew (u_nodes (N+1,), u_vocab (V,)); acceptance by accept_sampled_on_device."""
+    D, K = min(spec.steps, spec.nodes), spec.topk
+
+    def accept(hidden, tree, anc, rank, exists, qrow, q, u_nodes, u_vocab):
+        p = probs(model.logits(hidden), temperature, top_p)  # (N+1, V)
+        draft_ids = drafter.to_target(torch.arange(q.shape[-1], device=q.device))
+        return accept_sampled_on_device(p, tree, rank, exists, qrow, q, draft_ids, u_nodes, u_vocab, D, K)
+    return verify_cycle(model, drafter, spec, accept)
+
+
+def verify_cycle(model: Transformer, drafter: Eagle3Drafter, spec: TreeSpec, accept):
+    """The target's pass over [pending, tree], acceptance, KV commit and drafter catch-up as one
+    fixed-shape step. accept(hidden (N+1, H), tree, anc, *extra) -> (n (1,), rows (D+1,), bonus (1,))."""
     D, capture = min(spec.steps, spec.nodes), drafter.cfg.aux_layer_ids
 
-    def verify(pending, tokens, parents, depth, pos):
+    def verify(pending, tokens, parents, depth, pos, *extra):
         dev, tree = tokens.device, DraftTree(tokens, parents, depth)
         seq = torch.cat([pending, tokens])  # (N+1,) the pending token is the root
         anc = ancestors(parents, D)  # (N+1, N+1)
         rope = pos + torch.cat([depth.new_zeros(1), depth])  # a node's position is its depth after pending
         out = model(seq[None], pos + torch.arange(len(seq), device=dev), tree_mask(anc, pos, model.max_len), rope[None],
                     capture=capture)
-        best = model.logits(out.hidden[0]).argmax(-1)  # (N+1,)
-        n, rows = accept_on_device(best, tree, anc, D)  # (1,), (D+1,)
-        bonus = best[rows[n]]  # (1,) the target's token after the deepest accepted node
+        n, rows, bonus = accept(out.hidden[0], tree, anc, *extra)
         new = torch.cat([seq[rows[1:]], bonus]).scatter(0, n, bonus)  # (D+1,) path tokens, bonus at n, junk after
         # The accepted path's KV to slots pos+1..pos+n. The copy has D rows whatever n is: rows past the
         # path copy a slot onto itself, and those slots (> pos+n) are scratch the next verify rewrites.
@@ -802,6 +832,103 @@ def verify_greedy(model: Transformer, drafter: Eagle3Drafter, spec: TreeSpec):
         h = drafter(new[None], drafter.fuse(out.aux[:, rows]), pos + torch.arange(D + 1, device=dev))  # (1, D+1, H)
         return torch.cat([n, new]), h[:, n], bonus, pos + n + 1
     return verify
+
+
+def accept_sampled_on_device(p, tree: DraftTree, rank, exists, qrow, q, draft_ids, u_nodes, u_vocab, depth: int, k: int):
+    """accept_tree_sampled with fixed shapes (depth+1 levels of k sibling tries, every branch computed and
+    selected with where), so it runs inside a graph. p: (N+1, V) target distributions at root and nodes;
+    rank (N,): a node's place in its parent's draw order (the kept children of a node are a prefix of
+    it); exists (N,): drawn at all (a draw can run out of support); qrow (N,): the row of q (R, Vd) its
+    children were drawn from (-1: none), the root's is row 0; u_nodes (N+1,), u_vocab (V,): uniforms.
+    -> n (1,), rows (depth+1,) as accept_on_device's, the next token (1,) drawn from the final r."""
+    N1, V = p.shape
+    dev = p.device
+    node = torch.arange(1, N1, device=dev)
+    kids = torch.full((N1, k), -1, dtype=torch.long, device=dev)
+    kids = kids.index_put((tree.parents + 1, rank), torch.where(exists, node, -1))  # (N+1, k) children by draw order
+    tok = torch.cat([tree.tokens.new_zeros(1), tree.tokens])  # (N+1,) a node row's token
+    qrow = torch.cat([qrow.new_zeros(1), qrow]).clamp(min=0)  # (N+1,)
+    # the walk's state as 1-element tensors: indexing with a 0-dim tensor would read it on the host
+    cur = torch.zeros(1, dtype=torch.long, device=dev)
+    alive = torch.ones(1, dtype=torch.bool, device=dev)
+    r_stop, rows = p[0], [cur]
+    for level in range(depth + 1):  # the last level only stops (a node at depth `depth` has no children)
+        r = p[cur][0]  # (V,)
+        qd = torch.zeros(V, device=dev, dtype=p.dtype).index_copy(0, draft_ids, q[qrow[cur]][0].to(p.dtype))
+        took = torch.full((1,), -1, dtype=torch.long, device=dev)
+        for i in range(k):
+            c = kids[cur, i]  # (1,)
+            tried = alive & (c >= 0) & (took < 0)
+            x = tok[c.clamp(min=0)]
+            ok = tried & (u_nodes[c.clamp(min=0)] * qd[x] < r[x])
+            took = torch.where(ok, c, took)
+            no = tried & ~ok
+            left = (r - qd).clamp(min=0)
+            total = left.sum()
+            r = torch.where(no & (total > 0), left / total.clamp(min=torch.finfo(p.dtype).tiny), r)
+            q2 = qd.scatter(0, x, 0.0)
+            qd = torch.where(no, q2 / q2.sum().clamp(min=torch.finfo(p.dtype).tiny), qd)
+        down = alive & (took >= 0)
+        r_stop = torch.where(alive & ~down, r, r_stop)
+        cur = torch.where(down, took, cur)
+        if level < depth:
+            rows.append(torch.where(down, took, 0))
+        alive = down
+    rows = torch.cat(rows)  # (depth+1,)
+    n = (rows[1:] > 0).sum(0, keepdim=True)
+    return n, rows, gumbel_sample(r_stop[None], u_vocab[None])
+
+
+def draft_sampled(drafter: Eagle3Drafter, spec: TreeSpec, temperature: float, top_p: float = 1.0):
+    """draft_tree at temperature > 0 as one fixed-shape device step: draft(h (1, 1, H), pos (1,), u (steps, K, Vd)
+    uniforms) -> (tree, rank, exists, qrow, q). As draft_greedy, with children drawn without replacement by
+    children_sampled and every choice a stable sort by score over candidates in (depth, frontier order, draw
+    order): an ancestor and an elder sibling score at least as high as a node and come before it, so the
+    ranking never reads a node's own token (sampled_order's argument; ties between unrelated nodes may
+    break differently from it, which does not change that). q stacks the distributions children were drawn
+    from: row 0 the root's, row 1 + (d-1)K + i that of frontier node i of depth d."""
+    K, steps, keep = spec.topk, spec.steps, spec.nodes
+    W = (steps - 1) * K
+
+    def draft(h, pos, u):
+        dev = h.device
+        rows, cols = torch.arange(K, device=dev)[:, None], torch.arange(W, device=dev)
+        q = probs(drafter.logits(h[:, -1]), temperature, top_p)  # (1, Vd)
+        score, ids = children_sampled(q, torch.zeros(1, device=dev), K, u[0, :1])
+        score, tok = score[0], drafter.to_target(ids[0])  # (K,) the root's children in draw order
+        qs, scores, tokens = [q], [score], [tok]
+        parents, depths = [torch.full((K,), -1, device=dev)], [torch.ones(K, dtype=torch.long, device=dev)]
+        ranks, own = [torch.arange(K, device=dev)], []  # own: (candidate, q row) of each expanded node
+        # the frontier (candidate ids, scores, tokens): level 1's is all K children in draw order (their
+        # scores never increase along it, so this is their stable order by score too)
+        front, fscore, ftok = torch.arange(K, device=dev), score, tok
+        hidden, seen = h.expand(1, K, -1), cols == rows  # (1, K, H), (K, W)
+        for d in range(2, steps + 1):
+            own.append((front, 1 + (d - 2) * K + rows[:, 0]))
+            out = drafter(ftok[None], hidden, pos + (d - 2) * K + rows[:, 0], tree_mask(seen, pos, drafter.max_len),
+                          (pos - 2 + d).expand(1, K))  # (1, K, H)
+            q = probs(drafter.logits(out[0]), temperature, top_p)  # (K, Vd)
+            score, ids = children_sampled(q, fscore, K, u[d - 1])  # (K, K): frontier node i's children in row i
+            score, tok = score.flatten(), drafter.to_target(ids.flatten())
+            qs.append(q)
+            scores.append(score)
+            tokens.append(tok)
+            parents.append(front[:, None].expand(K, K).flatten())
+            depths.append(torch.full((K * K,), d, device=dev))
+            ranks.append(torch.arange(K, device=dev).repeat(K))
+            top = score.sort(descending=True, stable=True).indices[:K]  # the next frontier
+            front, fscore, ftok = K + (d - 2) * K * K + top, score[top], tok[top]
+            hidden, seen = out[:, top // K], seen[top // K] | (cols == (d - 1) * K + rows)
+        score, parent = torch.cat(scores), torch.cat(parents)  # (C,) candidates in (depth, index) order
+        qrow = torch.full_like(parent, -1)
+        for cand, row in own:
+            qrow = qrow.scatter(0, cand, row)
+        chosen = score.sort(descending=True, stable=True).indices[:keep].sort().values  # (N,) parents first
+        index = torch.full_like(parent, -1).scatter(0, chosen, torch.arange(keep, device=dev))  # candidate -> node
+        up = parent[chosen]
+        tree = DraftTree(torch.cat(tokens)[chosen], torch.where(up >= 0, index[up.clamp(min=0)], -1), torch.cat(depths)[chosen])
+        return tree, torch.cat(ranks)[chosen], score[chosen] > float("-inf"), qrow[chosen], torch.cat(qs)
+    return draft
 
 
 def mark(device: torch.device):
@@ -820,9 +947,11 @@ def elapsed(a, b) -> float:
 
 @torch.no_grad()
 def decode_tree(model: Transformer, drafter: Eagle3Drafter, prompt: torch.Tensor, max_new: int, spec: TreeSpec,
-                eos_ids=(), graphs: Graphs | None = None) -> Generation:
-    """EAGLE-2 style tree speculation at temperature 0, resident on the device. A cycle is two
-    fixed-shape steps, draft_greedy then verify_greedy (CUDA graphs when `graphs` is enabled), and one
+                eos_ids=(), graphs: Graphs | None = None, temperature: float = 0.0, top_p: float = 1.0,
+                generator=None) -> Generation:
+    """EAGLE-2 style tree speculation, resident on the device. A cycle is two fixed-shape steps,
+    draft_greedy then verify_greedy (draft_sampled and verify_sampled at temperature > 0, with the
+    uniforms they use drawn from `generator` just before; CUDA graphs when `graphs` is enabled), and one
     host read of the accepted tokens: the cycle's only sync. The read is a copy queued behind the
     verify step, and the next cycle's draft (which needs only the verify step's device outputs) is
     queued before the host waits for it, so the device drafts while the host handles the tokens; a
@@ -833,27 +962,41 @@ def decode_tree(model: Transformer, drafter: Eagle3Drafter, prompt: torch.Tensor
     dev, T = prompt.device, prompt.shape[1]
     model.setup_caches(1, T + max_new + spec.num_draft_tokens + 2)
     drafter.setup_caches(1, T + max_new + spec.steps * spec.topk + 2)
-    draft, verify = drafter.compiled(draft_greedy(drafter, spec)), verify_greedy(model, drafter, spec)
-    # a graph bakes in its modules and their cache buffers (replaced only when they grow)
-    keys = (("tree-draft", spec, id(drafter), drafter.max_len),
-            ("tree-verify", spec, id(model), model.max_len, id(drafter), drafter.max_len))
+    sampled = temperature > 0
+    if sampled:
+        draft = drafter.compiled(draft_sampled(drafter, spec, temperature, top_p))
+        verify = verify_sampled(model, drafter, spec, temperature, top_p)
+    else:
+        draft, verify = drafter.compiled(draft_greedy(drafter, spec)), verify_greedy(model, drafter, spec)
+    # a graph bakes in its modules, their cache buffers (replaced only when they grow) and the sampling settings
+    how = ("sampled", temperature, top_p) if sampled else ()
+    keys = (("tree-draft", spec, id(drafter), drafter.max_len, *how),
+            ("tree-verify", spec, id(model), model.max_len, id(drafter), drafter.max_len, *how))
+    u_shape = (spec.steps, spec.topk, drafter.cfg.draft_vocab_size)
     sync(dev)
     t0 = time.perf_counter()
-    pending, first = prefill(model, prompt, drafter.cfg.aux_layer_ids)
+    pending, first = prefill(model, prompt, drafter.cfg.aux_layer_ids, temperature, top_p, generator)
     h = drafter(torch.cat([prompt[0, 1:], pending])[None], drafter.fuse(first.aux), torch.arange(T, device=dev))[:, -1:]
     sync(dev)
     gen = Generation([int(pending)], 0.0, time.perf_counter() - t0)
     pos = torch.tensor([T], device=dev)
     done = finish(gen.tokens, max_new, eos_ids)[1]
 
-    def draft_next():  # -> the tree and the draft's span on the device timeline
+    def draft_next():  # -> the tree (with the sampled tree's extra fields) and the draft's span on the device timeline
         start = mark(dev)
-        return graphs(keys[0], draft, h, pos), start, mark(dev)
+        if sampled:
+            return graphs(keys[0], draft, h, pos, torch.rand(u_shape, generator=generator, device=dev)), start, mark(dev)
+        return (graphs(keys[0], draft, h, pos),), start, mark(dev)
 
     tree, d0, d1 = draft_next()
     host = torch.empty(min(spec.steps, spec.nodes) + 2, dtype=torch.long, pin_memory=dev.type == "cuda")  # verify's out
     while not done:
-        out, h, pending, pos = graphs(keys[1], verify, pending, tree.tokens, tree.parents, tree.depth, pos)
+        extra = ()
+        if sampled:  # rank, exists, qrow, q, then the acceptance's uniforms
+            extra = (*tree[1:], torch.rand(spec.nodes + 1, generator=generator, device=dev),
+                     torch.rand(model.args.vocab_size, generator=generator, device=dev))
+        t = tree[0]
+        out, h, pending, pos = graphs(keys[1], verify, pending, t.tokens, t.parents, t.depth, pos, *extra)
         v1 = mark(dev)
         host.copy_(out, non_blocking=True)
         landed = mark(dev)

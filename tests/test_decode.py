@@ -155,7 +155,7 @@ def test_tree_equals_greedy_for_stub_drafters(target, p_right):
 @pytest.mark.parametrize("kind", ["trained-shape", "sometimes-right"])
 def test_compiled_drafting_steps_decode_the_same(target, kind):
     """Eagle3Drafter.optimize(backend): the fused drafter's drafting steps run under torch.compile
-    (fullgraph, so any graph break fails here); chain and tree then give the same tokens and the same
+    (fullgraph, so any graph break fails here); chain, tree and sampled tree (same seed) then give the same tokens and the same
     accept lengths as the drafter as it was trained (a real drafter module, and a stub that is right
     half the time so that acceptance paths run too)."""
     import copy
@@ -168,10 +168,13 @@ def test_compiled_drafting_steps_decode_the_same(target, kind):
     fast = copy.deepcopy(drafter).optimize("eager")
     assert hasattr(fast.midlayer.mlp, "gate_up") and not hasattr(drafter.midlayer.mlp, "gate_up")
     spec = TreeSpec(3, 4, 10)
-    for decode in (lambda d: decode_chain(target, d, prompt, 30, 3), lambda d: decode_tree(target, d, prompt, 30, spec)):
+    for sampled, decode in ((False, lambda d: decode_chain(target, d, prompt, 30, 3)),
+                            (False, lambda d: decode_tree(target, d, prompt, 30, spec)),
+                            (True, lambda d: decode_tree(target, d, prompt, 30, spec, temperature=0.8, top_p=0.9,
+                                                         generator=torch.Generator().manual_seed(0)))):
         ref, got = decode(drafter), decode(fast)
         assert got.tokens == ref.tokens and got.accept_lengths == ref.accept_lengths
-        assert kind == "trained-shape" or max(ref.accept_lengths) > 1
+        assert kind == "trained-shape" or sampled or max(ref.accept_lengths) > 1  # the oracle drafts greedy text
 
 def test_hand_built_tree_mask_and_commit(target):
     """Each node's logits equal a plain forward over prefix + its path; after the commit the cache
@@ -532,20 +535,47 @@ def first_child_always(p, tree, generator=None):
     return path, torch.multinomial(p[cur], 1, generator=generator)
 
 
-def scored_by_own_token(prefix: bool):
-    """Wrong selections for the power checks: EAGLE-2's score log q(x) on sampled children, either
-    as is (verified siblings need not be a prefix of the draw order) or made monotone over the draw
-    order (a prefix, but of a length that depends on the children's own tokens)."""
+def first_child_on_device(real):
+    """The same wrong walk in the device acceptance: with "uniforms" of -1 the test u q(x) < r(x) always passes."""
+    def accept(p, tree, rank, exists, qrow, q, draft_ids, u_nodes, u_vocab, depth, k):
+        return real(p, tree, rank, exists, qrow, q, draft_ids, torch.full_like(u_nodes, -1.0), u_vocab, depth, k)
+    return accept
+
+
+def wrong_walk(monkeypatch, kind: str):
     import draftsmith.decode as decode
 
-    sampled = decode.expand_sampled
+    if kind == "host":
+        monkeypatch.setattr(decode, "accept_tree_sampled", first_child_always)
+    else:
+        monkeypatch.setattr(decode, "accept_sampled_on_device", first_child_on_device(decode.accept_sampled_on_device))
 
-    def expand(logits, parent_score, k, temperature, top_p, generator=None):
-        score, ids, q = sampled(logits, parent_score, k, temperature, top_p, generator)
+
+def scored_by_own_token(prefix: bool):
+    """Wrong selections for the power checks (both tree samplers draw children with children_sampled):
+    EAGLE-2's score log q(x) on sampled children, either as is (verified siblings need not be a prefix
+    of the draw order) or made monotone over the draw order (a prefix, but of a length that depends on
+    the children's own tokens)."""
+    import draftsmith.decode as decode
+
+    sampled = decode.children_sampled
+
+    def children(q, parent_score, k, u):
+        score, ids = sampled(q, parent_score, k, u)
         own = parent_score[:, None] + q.gather(-1, ids).log()
         own = own.cummin(-1).values if prefix else own
-        return own.masked_fill(score.isneginf(), float("-inf")), ids, q
-    return expand
+        return own.masked_fill(score.isneginf(), float("-inf")), ids
+    return children
+
+
+def tree_sampler(kind: str):
+    """The device-resident sampled tree (decode_tree_sampled) or the host-driven reference (tree_loop)."""
+    import draftsmith.decode as decode
+
+    if kind == "device":
+        return decode.decode_tree_sampled
+    return lambda target, drafter, prompt, n, spec, temp, top_p=1.0, generator=None: decode.tree_loop(
+        target, drafter, prompt, n, spec, (), decode.eager(), temp, top_p, generator)
 
 
 @pytest.mark.parametrize("drafter_kind", ["random", "oracle"])
@@ -565,12 +595,11 @@ def test_sampled_tree_at_tiny_temperature_is_greedy(target, drafter_kind):
         assert max(out.accept_lengths) > 2
 
 
-def test_sampled_tree_matches_the_targets_own_distribution(one_thread, monkeypatch):
+@pytest.mark.parametrize("kind", ["device", "host"])
+def test_sampled_tree_matches_the_targets_own_distribution(one_thread, monkeypatch, kind):
     """Real tiny target (8-token vocabulary, so the exact marginals of the 2nd and 3rd tokens can be
     enumerated), a drafter over 5 of those tokens, top-p that cuts a token: the empirical marginals
     match, and a walk that always accepts the first child fails the same check."""
-    import draftsmith.decode as decode
-
     V = 8
     target = tiny_native(vocab=V)
     drafter = tiny_drafter(target, draft_vocab=5, seed=3)
@@ -589,13 +618,13 @@ def test_sampled_tree_matches_the_targets_own_distribution(one_thread, monkeypat
         gen, spec = torch.Generator().manual_seed(0), TreeSpec(3, 3, 6)
         counts = torch.zeros(2, V)
         for _ in range(n):
-            tokens = decode_tree_sampled(target, drafter, prompt, 3, spec, temp, top_p, generator=gen).tokens
+            tokens = tree_sampler(kind)(target, drafter, prompt, 3, spec, temp, top_p, generator=gen).tokens
             counts[0, tokens[1]] += 1
             counts[1, tokens[2]] += 1
         return total_variation(counts[0] / n, exact2), total_variation(counts[1] / n, exact3)
 
     assert max(marginals_tv(300)) < 0.14  # sampling noise: mean 0.055, 0.13 at the 1e-4 quantile
-    monkeypatch.setattr(decode, "accept_tree_sampled", first_child_always)
+    wrong_walk(monkeypatch, kind)
     assert marginals_tv(150)[0] > 0.3
 
 
@@ -610,7 +639,7 @@ def bigram_pair():
     return BigramTarget(p), BigramDrafter(q)
 
 
-def bigram_tv(n: int) -> tuple[float, float]:
+def bigram_tv(n: int, kind: str = "device") -> tuple[float, float]:
     """TV distances of tokens 2-3 (jointly) and of token 2 from the exact target over n runs."""
     target, drafter = bigram_pair()
     p = probs(target.table, 1.0)
@@ -618,34 +647,36 @@ def bigram_tv(n: int) -> tuple[float, float]:
     gen, prompt = torch.Generator().manual_seed(0), torch.tensor([[3]])
     counts = torch.zeros(4, 4)
     for _ in range(n):
-        tokens = decode_tree_sampled(target, drafter, prompt, 3, TreeSpec(2, 2, 2), 1.0, generator=gen).tokens
+        tokens = tree_sampler(kind)(target, drafter, prompt, 3, TreeSpec(2, 2, 2), 1.0, generator=gen).tokens
         counts[tokens[1], tokens[2]] += 1
     return total_variation(counts / n, exact), total_variation(counts.sum(1) / n, exact.sum(1))
 
 
-def test_sampled_tree_is_lossless_on_bigram_models(one_thread, monkeypatch):
+@pytest.mark.parametrize("kind", ["device", "host"])
+def test_sampled_tree_is_lossless_on_bigram_models(one_thread, monkeypatch, kind):
     """Stub models whose exact joint distribution is known: the sampler matches it; accepting the
     first child, or ranking by EAGLE-2's log q(x) (verified children not a prefix of the draw
     order), fails the same check."""
     import draftsmith.decode as decode
 
-    joint, first = bigram_tv(2000)
+    joint, first = bigram_tv(2000, kind)
     assert joint < 0.06 and first < 0.045  # noise: means 0.015 and 0.008, 0.046 and 0.038 at the 1e-4 quantile
     with monkeypatch.context() as m:
-        m.setattr(decode, "accept_tree_sampled", first_child_always)
-        assert bigram_tv(300)[1] > 0.25
-    monkeypatch.setattr(decode, "expand_sampled", scored_by_own_token(prefix=False))
-    assert bigram_tv(300)[1] > 0.12
+        wrong_walk(m, kind)
+        assert bigram_tv(300, kind)[1] > 0.25
+    monkeypatch.setattr(decode, "children_sampled", scored_by_own_token(prefix=False))
+    assert bigram_tv(300, kind)[1] > 0.12
 
 
-def test_a_prefix_whose_length_reads_the_childrens_tokens_is_detected(one_thread, monkeypatch):
+@pytest.mark.parametrize("kind", ["device", "host"])
+def test_a_prefix_whose_length_reads_the_childrens_tokens_is_detected(one_thread, monkeypatch, kind):
     """Verifying a prefix of the draw order is not enough: if the ranking reads the children's own
     draft probabilities (EAGLE-2's score made monotone over the draw order), whether the second
     child is tried depends on its token, and the output is biased (by ~0.085 here)."""
     import draftsmith.decode as decode
 
-    monkeypatch.setattr(decode, "expand_sampled", scored_by_own_token(prefix=True))
-    assert bigram_tv(2000)[1] > 0.05  # the correct sampler stays below 0.045 (previous test)
+    monkeypatch.setattr(decode, "children_sampled", scored_by_own_token(prefix=True))
+    assert bigram_tv(2000, kind)[1] > 0.05  # the correct sampler stays below 0.045 (previous test)
 
 
 # --------------------------------------------------------------------------- graphs, captured on the CPU
@@ -675,15 +706,21 @@ class Replay:
             out = self.fn(*self.static_in)
         if self.out is None:
             self.out = out
-        elif isinstance(out, tuple):  # a graph's outputs are the same buffers at every replay
-            for buf, x in zip(self.out, out):
-                buf.copy_(x)
-        elif isinstance(out, torch.Tensor):
-            self.out.copy_(out)
-        else:  # a dataclass of tensors (DraftTree)
-            for f in dataclasses.fields(out):
-                if isinstance(getattr(out, f.name), torch.Tensor):
-                    getattr(self.out, f.name).copy_(getattr(out, f.name))
+        else:  # a graph's outputs are the same buffers at every replay
+            copy_into(self.out, out)
+
+
+def copy_into(buf, x):
+    """Copy a step's outputs (tensors, tuples of them, dataclasses of tensors such as DraftTree) into buf."""
+    if isinstance(x, torch.Tensor):
+        buf.copy_(x)
+    elif isinstance(x, tuple):
+        for b, y in zip(buf, x):
+            copy_into(b, y)
+    elif dataclasses.is_dataclass(x):
+        for f in dataclasses.fields(x):
+            if getattr(x, f.name) is not None:
+                copy_into(getattr(buf, f.name), getattr(x, f.name))
 
 
 class CaptureRules(TorchDispatchMode):
@@ -726,7 +763,8 @@ def test_captured_sampling_steps_decode_as_eager(one_thread, target):
     """With graphs enabled (captured on the CPU) plain sampling runs in blocks of CHECK_EVERY steps
     that read uniforms the host drew ahead, and the sampled tree's drafter levels and verify pass
     are replayed steps: the same seed gives the same tokens (and accept lengths) as eager decoding,
-    across blocks and at an EOS inside one. (The CPU generator fills a (16, V) block with the numbers
+    across blocks and at an EOS inside one; the sampled tree's whole cycle (draft, then verify with
+    acceptance, commit and catch-up) is two replayed steps. (The CPU generator fills a (16, V) block with the numbers
     16 draws of (1, V) would give, so the uniforms are the same.)"""
     prompt = torch.randint(3, 320, (1, 8), generator=torch.Generator().manual_seed(3))
     graphs = CapturedOnCPU()
@@ -744,7 +782,7 @@ def test_captured_sampling_steps_decode_as_eager(one_thread, target):
     runs = [decode_tree_sampled(target, drafter, prompt, 30, spec, 0.8, 0.9, generator=torch.Generator().manual_seed(0),
                                 graphs=g) for g in (None, graphs)]
     assert runs[0].tokens == runs[1].tokens and runs[0].accept_lengths == runs[1].accept_lengths
-    assert {key[0] for key in graphs.entries} == {"plain_loop", "dtree", "tree"}
+    assert {key[0] for key in graphs.entries} == {"plain_loop", "tree-draft", "tree-verify"}
 
 
 @pytest.mark.gpu
