@@ -319,7 +319,7 @@ def kernel_profile(run, top_n: int = 40) -> dict:
             "top": {e.key[:80]: [e.count, round(e.self_device_time_total / 1e3, 4)] for e in top}}
 
 
-ENGINE_VARIANTS = ("graphs", "compiled", "compiled_model", "compiled_model_cdt")
+ENGINE_VARIANTS = ("graphs", "compiled", "compiled_model", "compiled_model_cdt", "compiled_sdpa")
 
 
 def optimize_for(model: Transformer, variant: str):
@@ -327,6 +327,8 @@ def optimize_for(model: Transformer, variant: str):
         model.optimize()
     elif variant == "compiled":
         model.optimize("inductor")
+    elif variant == "compiled_sdpa":  # compiled layers, short queries through SDPA as well
+        model.optimize("inductor", attention="sdpa")
     elif variant.startswith("compiled_model"):
         # cdt: inductor's coordinate-descent tuning of its own kernels' launch configs (as gpt-fast sets)
         torch._inductor.config.coordinate_descent_tuning = variant.endswith("cdt")
@@ -395,7 +397,7 @@ def hf_speed(args: ModelArgs, x) -> float:
 def bench_8b(a, res):
     bw = copy_bandwidth()
     model = random_model(LLAMA8B)
-    sec = {"copy_bandwidth_TBs": round(bw / 1e12, 3), **engine_speed(model, bw, "llama8b")}
+    sec = {"copy_bandwidth_TBs": round(bw / 1e12, 3), **engine_speed(model, bw, "llama8b", tuple(a.variants.split(",")))}
     dcfg = DraftConfig.from_target(LLAMA8B, 32000)
     drafter = Eagle3Drafter(dcfg).cuda().to(torch.bfloat16).eval()
     drafter.setup_caches(1, 1024)
@@ -423,7 +425,7 @@ def bench_8b(a, res):
 def bench_smollm2_shape(a, res):
     """SmolLM2-135M's shape with random weights: engine speed only (accept lengths need the real model)."""
     bw = copy_bandwidth()
-    sec = engine_speed(random_model(SMOLLM2), bw, "smollm2_shape")
+    sec = engine_speed(random_model(SMOLLM2), bw, "smollm2_shape", tuple(a.variants.split(",")))
     try:
         sec["hf_tok_s"] = hf_speed(SMOLLM2, torch.randint(0, 1000, (1, 128), device="cuda"))
     except Exception as e:  # noqa: BLE001
@@ -555,6 +557,7 @@ def main():
     ap.add_argument("--t1", action=argparse.BooleanOptionalAction, default=True, help="bench: also T=1 plain vs tree sampling")
     ap.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True, help="bench: also HF generate")
     ap.add_argument("--drafter", help="bench: an exported drafter folder instead of this run's training output")
+    ap.add_argument("--variants", default=",".join(ENGINE_VARIANTS), help="engine: which engine variants, in order")
     ap.add_argument("--sections", default=",".join(["smollm2_shape", "llama8b_shape", *TTT_PATHS]), help="engine: which sections, in order")
     ap.add_argument("--compile-drafter", action=argparse.BooleanOptionalAction, default=True,
                     help="bench: compile the drafter's drafting steps (Eagle3Drafter.optimize)")

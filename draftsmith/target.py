@@ -219,11 +219,13 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 COMPILED_MAX_TOKENS = 64  # query lengths (decode, verify, tree) that run optimize()'s compiled code
 
 
-def attention(q, k, v, mask, scale=None):
-    """Grouped-query attention. q: (B, h, T, D); k, v: (B, kv, S, D); mask: bool (B|1, 1, T, S)."""
+def attention(q, k, v, mask, scale=None, fused: bool = False):
+    """Grouped-query attention. q: (B, h, T, D); k, v: (B, kv, S, D); mask: bool (B|1, 1, T, S).
+    fused: SDPA for short queries too (Transformer.optimize(attention="sdpa"): one attention kernel a
+    layer where the default is two matmuls and a softmax; an engine variant to measure)."""
     B, h, T, D = q.shape
     kv = k.shape[1]
-    if T > COMPILED_MAX_TOKENS:  # prefill: SDPA (enable_gqa reads each kv head for its group in place)
+    if fused or T > COMPILED_MAX_TOKENS:  # prefill: SDPA (enable_gqa reads each kv head for its group in place)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=h != kv)
     # decode, chain and tree verification: a query group per kv head, two small matmuls against the
     # cache as it lies (no repeated copy of the cache, no fallback to SDPA's unfused math path for
@@ -251,6 +253,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, args.rms_norm_eps)
             self.k_norm = RMSNorm(d, args.rms_norm_eps)
         self.kv_cache: KVCache | None = None
+        self.fused_short = False  # attention(fused=...): set by Transformer.optimize(attention="sdpa")
 
     def fuse(self):
         """Inference only: one qkv matmul instead of three (the state dict then has `qkv`)."""
@@ -281,7 +284,7 @@ class Attention(nn.Module):
         q, k, v = self.project(x, cos, sin)
         if self.kv_cache is not None:
             k, v = self.kv_cache.update(input_pos, k, v)
-        y = attention(q, k, v, mask)  # (B, h, T, D)
+        y = attention(q, k, v, mask, fused=self.fused_short)  # (B, h, T, D)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -399,20 +402,25 @@ class Transformer(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return small_linear(hidden, self.lm_head.weight).float()  # (..., V)
 
-    def optimize(self, compile_backend: str | None = None, scope: str = "layer") -> "Transformer":
+    def optimize(self, compile_backend: str | None = None, scope: str = "layer", attention: str = "matmul") -> "Transformer":
         """Inference only: fused qkv and gate/up matmuls, and optionally compiled code for short
         queries (decode, verify, trees; torch.compile with `compile_backend`, e.g. "inductor") so that
         norms, rotary embeddings, cache writes and softmax become a few fused kernels. scope "layer"
         compiles one decoder layer (one compilation serves every layer); "model" compiles the whole
         forward, embedding to final norm, so inductor also fuses across layers (one layer's residual
         add into the next one's norm) at the cost of a longer compilation. Captured in a CUDA graph
-        (cudagraph.py), a decode step is then a few hundred kernels instead of ~50 a layer."""
+        (cudagraph.py), a decode step is then a few hundred kernels instead of ~50 a layer. attention
+        "sdpa" runs short queries through scaled_dot_product_attention too (default "matmul": two
+        matmuls and an fp32 softmax, the path decode and verify are known to agree on in bf16)."""
         if scope not in ("layer", "model"):
             raise ValueError(f"scope must be 'layer' or 'model', got {scope!r}")
+        if attention not in ("matmul", "sdpa"):
+            raise ValueError(f"attention must be 'matmul' or 'sdpa', got {attention!r}")
         for layer in self.layers:
             if not hasattr(layer.mlp, "gate_up"):
                 layer.self_attn.fuse()
                 layer.mlp.fuse()
+            layer.self_attn.fused_short = attention == "sdpa"
             if hasattr(layer, "fast"):
                 del layer.fast
         if hasattr(self, "fast"):

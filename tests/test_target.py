@@ -51,15 +51,17 @@ def test_decode_through_cache_matches_full_forward():
         assert (out.aux[0, 0] - want).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("overrides, scope", [({}, "layer"), ({"attention_bias": True}, "layer"), ({}, "model")],
-                         ids=["plain", "qkv-bias", "whole-model"])
-def test_optimized_model_gives_the_same_logits(overrides, scope):
+@pytest.mark.parametrize("overrides, scope, attention", [({}, "layer", "matmul"), ({"attention_bias": True}, "layer", "matmul"),
+                                                      ({}, "model", "matmul"), ({}, "layer", "sdpa")],
+                         ids=["plain", "qkv-bias", "whole-model", "sdpa-short"])
+def test_optimized_model_gives_the_same_logits(overrides, scope, attention):
     """Fused qkv / gate-up matmuls and layers (or the whole forward) traced by torch.compile
-    (fullgraph, so a graph break fails) compute what the plain model does, in prefill and step by
-    step through the cache."""
+    (fullgraph, so a graph break fails), with short queries' attention as matmuls or SDPA, compute
+    what the plain model does, in prefill and step by step through the cache."""
     torch._dynamo.reset()
     model = native_from_hf(make_hf_model(**overrides))
-    fast = native_from_hf(make_hf_model(**overrides)).optimize(compile_backend="eager", scope=scope)
+    fast = native_from_hf(make_hf_model(**overrides)).optimize(compile_backend="eager", scope=scope, attention=attention)
+    assert all(layer.self_attn.fused_short == (attention == "sdpa") for layer in fast.layers)
     assert not any("q_proj" in k or "gate_proj" in k for k in fast.state_dict())
     tokens = torch.randint(0, 320, (1, 40))
     for m in (model, fast):
@@ -133,3 +135,25 @@ def test_bad_targets_have_clear_errors(tmp_path):
     (tmp_path / "weights.bin").write_bytes(b"x")
     with pytest.raises(ValueError, match="gguf"):
         resolve_target(str(tmp_path / "weights.bin"))
+
+
+def test_sdpa_short_attention_keeps_a_tree_mask():
+    """optimize(attention="sdpa"): a verify pass under a tree mask (rows see the prefix and their own
+    branch only) gives the logits of the matmul path."""
+    model = native_from_hf(make_hf_model()).optimize()
+    sdpa = native_from_hf(make_hf_model()).optimize(attention="sdpa")
+    tokens = torch.randint(0, 320, (1, 12))
+    for m in (model, sdpa):
+        m.setup_caches(1, 16)
+        m(tokens[:, :8], torch.arange(8))
+    parents = [-1, 0, 0, 1]  # root, two children, a grandchild: rows 8..11
+    mask = torch.zeros(1, 1, 4, 16, dtype=torch.bool)
+    mask[..., :8] = True
+    for i, p in enumerate(parents):
+        j = i
+        while j >= 0:
+            mask[0, 0, i, 8 + j] = True
+            j = parents[j]
+    rope = torch.tensor([[8, 9, 9, 10]])
+    out = [m(tokens[:, 8:], torch.arange(8, 12), mask, rope) for m in (model, sdpa)]
+    assert (model.logits(out[0].hidden) - sdpa.logits(out[1].hidden)).abs().max() < 1e-5
