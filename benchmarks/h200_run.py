@@ -533,7 +533,24 @@ def phase_engine(a):
         print(json.dumps(res), flush=True)
 
 
-def phase_bench(a):
+def failed_checks(res: dict) -> list[str]:
+    """The bench's correctness checks that failed: bf16 greedy speculation must agree with plain greedy
+    decoding on >= 99% of tokens, fp32 speculation must equal it exactly, and the SmolLM2 section must run."""
+    sm, failed = res.get("smollm2", {}), []
+    if "smollm2_error" in res:
+        failed.append(f"the SmolLM2 section failed: {res['smollm2_error']}")
+    for name in ("chain5", "tree"):
+        agree = sm.get(name, {}).get("greedy_agreement")
+        if agree is not None and agree < 0.99:
+            failed.append(f"bf16 {name} agrees with plain greedy decoding on {agree:.2%} of tokens (< 99%)")
+    exact = sm.get("fp32_exact_runs")
+    if exact is not None and exact.split("/")[0] != exact.split("/")[1]:
+        failed.append(f"fp32 speculative output equals plain output on only {exact} runs")
+    return failed
+
+
+def phase_bench(a) -> list[str]:
+    """Runs the sections, writing bench.json as it goes; returns the failed checks (failed_checks)."""
     res = {"phase": "bench", "command": " ".join(sys.argv), "commit": git_commit(), "device": device_name(a.device)}
     out = Path(a.out)
     sections = [("smollm2", bench_smollm)]
@@ -546,8 +563,10 @@ def phase_bench(a):
         except Exception as e:  # noqa: BLE001 - one section failing must not lose the other
             res[name + "_error"] = repr(e)
         res[name + "_wall_s"] = round(time.perf_counter() - t, 1)
+        res["failed_checks"] = failed_checks(res)
         dump(out, "bench.json", res)
         print(json.dumps(res), flush=True)
+    return res["failed_checks"]
 
 
 def main():
@@ -613,7 +632,10 @@ def main():
     if a.phase in ("train", "both"):
         phase_train(a)
     if a.phase in ("bench", "both"):
-        phase_bench(a)
+        failed = phase_bench(a)
+        if failed:  # loudly, after every result is written
+            print("BENCH CHECKS FAILED:\n  " + "\n  ".join(failed), file=sys.stderr, flush=True)
+            sys.exit(1)
     if a.phase == "engine":
         phase_engine(a)
     if a.phase == "ttt":

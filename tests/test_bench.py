@@ -51,3 +51,21 @@ def test_small_benchmarks_spread_over_the_file():
     picked = pick_prompts(mt, 8, warmup=1)
     assert picked[1:] == spread(mt, 8) and picked[0] not in picked[1:]  # warm-up on a prompt that is not measured
     assert pick_prompts(mt[:3], 3, warmup=1) == [mt[0], *mt[:3]]  # nothing left over: warm up on a measured one
+
+
+def test_device_bench_fails_loudly_when_speculation_disagrees():
+    """benchmarks/h200_run.py exits non-zero (after writing its results) when bf16 speculation agrees
+    with plain greedy decoding on < 99% of tokens, fp32 speculation is not exact, or the section broke."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("h200_run", Path(__file__).parents[1] / "benchmarks" / "h200_run.py")
+    h200 = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(h200)
+    good = {"smollm2": {"chain5": {"greedy_agreement": 1.0}, "tree": {"greedy_agreement": 0.994}, "fp32_exact_runs": "16/16"}}
+    assert h200.failed_checks(good) == []
+    low = {"smollm2": {**good["smollm2"], "tree": {"greedy_agreement": 0.985}}}
+    assert [m for m in h200.failed_checks(low) if "tree" in m and "98.50%" in m]
+    inexact = {"smollm2": {**good["smollm2"], "fp32_exact_runs": "15/16"}}
+    assert [m for m in h200.failed_checks(inexact) if "15/16" in m]
+    assert h200.failed_checks({"smollm2_error": "RuntimeError('boom')"})
