@@ -53,7 +53,7 @@ def main():
     target = load_target(a.target)
     model = target.model.optimize(None)
     drafter = load_any(a.drafter, model.embed_tokens.weight.detach().float()).eval()
-    in_vocab = drafter.t2d.bool()
+    in_vocab = drafter.t2d  # bool over the target vocab
     rows = []
     for p in spread(load_eval(a.prompts), a.num_prompts):
         x = torch.tensor([prompt_ids(target.tokenizer, p.turns)])
