@@ -105,8 +105,8 @@ def main():
         except Exception as e:  # noqa: BLE001 - recorded; the other variants still run
             res[name] = {"error": repr(e)[:400]}
         print(name, res[name], flush=True)
-    Path(a.out).mkdir(parents=True, exist_ok=True)
-    (Path(a.out) / "ttt_attention_bench.json").write_text(json.dumps(res, indent=1))
+        Path(a.out).mkdir(parents=True, exist_ok=True)  # after every variant: a call cut short keeps what ran
+        (Path(a.out) / "ttt_attention_bench.json").write_text(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":

@@ -215,14 +215,14 @@ class Eagle3Drafter(nn.Module):
         pre-norm outputs (B, T, H); output j at row t predicts the target's distribution z[t+1+j].
         segment_ids (B, T) keep packed sequences from attending to each other; position_ids (B, T)
         restart per sequence. attn_impl: "eager" materialises the (B, heads, T, T) scores, "flex"
-        runs flex_attention (compiled on CUDA; no (T, T) scores in memory). "auto" is eager for now:
-        on the H200 at the 8B shape compiled flex took 92 ms of GPU time per training step but 217 ms
-        of wall time (building a block mask per step on the host), eager 137 ms
-        (benchmarks/results/h200-pipeline.json, train_8b_flex). That was with create_block_mask;
-        broadcast_block_mask has replaced it since, not yet measured on the H200."""
+        runs flex_attention (compiled on CUDA; no (T, T) scores in memory). "auto" is flex on CUDA,
+        eager elsewhere (flex has no CPU backward): on the H200 flex is the faster, 0.204 vs 0.287 s a
+        SmolLM2 training step, 103 ms at the 8B shape against eager's 137 ms (train_8b_flex_b51b699
+        and train_8b in benchmarks/results/h200-pipeline.json), with its gradients checked against
+        eager's there (tests/test_draft.py, -m gpu)."""
         if attn_impl not in ("auto", "eager", "flex"):
             raise ValueError(f"attn_impl must be 'auto', 'eager' or 'flex', not {attn_impl!r}")
-        flex = attn_impl == "flex"
+        flex = attn_impl == "flex" or (attn_impl == "auto" and input_ids.is_cuda)
         B, T = input_ids.shape
         attn = self.midlayer.self_attn
         if position_ids is None:

@@ -319,3 +319,16 @@ def test_a_wider_drafter_mlp_trains_and_exports_its_width(tiny_target_dir, tiny_
         want = [drafter.logits(o) for o in drafter.ttt(ids, aux, depth=2)]
         got = [back.logits(o) for o in back.ttt(ids, aux, depth=2)]
     assert all(torch.equal(w, g) for w, g in zip(want, got))
+
+
+def test_the_default_learning_rate_depends_on_where_training_starts(tiny_target_dir, tiny_hidden, tmp_path):
+    """lr unset: 1e-3 from scratch (the measured H200 recipe), 1e-4 when continuing a trained drafter;
+    the resolved value is what the optimizer uses and what train_config.json records."""
+    common = dict(target=str(tiny_target_dir), data=str(tiny_hidden), draft_vocab_size=64, ttt_depth=2, batch_tokens=128,
+                  rows_per_pack=1, eval_fraction=0.2, max_steps=1)
+    run(TrainConfig(out=str(tmp_path / "a"), **common))
+    run(TrainConfig(out=str(tmp_path / "b"), init=str(tmp_path / "a" / "drafter"), **common))
+    lrs = [json.loads((tmp_path / n / "train_config.json").read_text())["lr"] for n in ("a", "b")]
+    assert lrs == [1e-3, 1e-4]
+    first = [json.loads(l) for l in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines() if '"step"' in l][0]
+    assert 0 < first["lr"] <= 1e-3  # the warmup's first step of a 1e-3 schedule
