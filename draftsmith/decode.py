@@ -800,10 +800,16 @@ def verify_sampled(model: Transformer, drafter: Eagle3Drafter, spec: TreeSpec, t
     uniforms the caller drew (u_nodes (N+1,), u_vocab (V,)); acceptance by accept_sampled_on_device."""
     D, K = min(spec.steps, spec.nodes), spec.topk
 
-    def accept(hidden, tree, anc, rank, exists, qrow, q, u_nodes, u_vocab):
-        p = probs(model.logits(hidden), temperature, top_p)  # (N+1, V)
+    def walk(logits, tree, rank, exists, qrow, q, u_nodes, u_vocab):
+        p = probs(logits, temperature, top_p)  # (N+1, V)
         draft_ids = drafter.to_target(torch.arange(q.shape[-1], device=q.device))
         return accept_sampled_on_device(p, tree, rank, exists, qrow, q, draft_ids, u_nodes, u_vocab, D, K)
+    # compiled like the drafting steps (Eagle3Drafter.optimize): the walk's (D+1) x K sibling tries are
+    # ~10 vocab-sized elementwise ops each, which fuse into few kernels
+    walk = drafter.compiled(walk)
+
+    def accept(hidden, tree, anc, rank, exists, qrow, q, u_nodes, u_vocab):
+        return walk(model.logits(hidden), tree, rank, exists, qrow, q, u_nodes, u_vocab)
     return verify_cycle(model, drafter, spec, accept)
 
 
