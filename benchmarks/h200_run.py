@@ -619,7 +619,7 @@ def main():
     ap.add_argument("--ttt-rows", type=int, default=1, help="rows of 2048 tokens in the 8B-shape training step")
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--draft-intermediate", type=int, help="train: the drafter's MLP width (default: the target's)")
-    ap.add_argument("--lr", type=float, default=5e-4)
+    ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--batch-tokens", type=int, default=2048)
     ap.add_argument("--rows-per-pack", type=int, default=8)
     ap.add_argument("--loss-chunk", type=int, default=16384)

@@ -1,0 +1,74 @@
+"""Accept length of lossless sampled speculation (T=1) by tree shape, on the CPU: which tree to
+verify at T=1, where the H200 bench's greedy-tuned tree (top-k 8, depth 6, 48 nodes) accepts far
+less than at T=0 (run 8: 2.23 vs 3.34, acceptance by depth 0.67, 0.40, 0.11, 0.03).
+
+Accept length only (fp32, one thread pool): a CPU's timings say nothing about the H200's cycle
+costs, so speed is left to the device bench. Every shape decodes the same prompts from the same seed.
+
+    python benchmarks/t1_tree_shapes.py --drafter DIR --out benchmarks/results/t1-tree-shapes-cpu.json
+"""
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from draftsmith.bench import device_name, git_commit, spread  # noqa: E402
+from draftsmith.data import load_eval, prompt_ids  # noqa: E402
+from draftsmith.decode import TreeSpec, decode_chain_sampled, decode_tree  # noqa: E402
+from draftsmith.export import load_any  # noqa: E402
+from draftsmith.target import load_target  # noqa: E402
+
+ASSETS = Path(__file__).resolve().parents[1] / "draftsmith" / "assets"
+
+
+def by_depth(accept_lengths: list[int], depth: int) -> list[float]:
+    """Fraction of cycles that accepted at least d drafts, d = 1..depth."""
+    n = len(accept_lengths)
+    return [round(sum(a - 1 >= d for a in accept_lengths) / n, 3) for d in range(1, depth + 1)]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--drafter", default=str(ASSETS / "drafter"))
+    ap.add_argument("--prompts", default=str(ASSETS / "eval" / "mt_bench.jsonl"))
+    ap.add_argument("--num-prompts", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--shapes", default="8x6x48,4x6x24,2x6x12,4x4x16,1x5x5", help="top-k x depth x nodes, comma-separated")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    target = load_target(a.target, "cpu", torch.float32)
+    model = target.model.optimize()
+    drafter = load_any(a.drafter, model.embed_tokens.weight.detach()).eval()
+    prompts = [torch.tensor([prompt_ids(target.tokenizer, p.turns)]) for p in spread(load_eval(a.prompts), a.num_prompts)]
+    res = {"command": shlex.join(["python", *sys.argv]), "commit": git_commit(), "device": device_name("cpu"),
+           "drafter": a.drafter, "prompts": len(prompts), "max_new_tokens": a.max_new_tokens, "temperature": a.temperature,
+           "shapes": {}}
+    for shape in a.shapes.split(","):
+        k, steps, nodes = (int(x) for x in shape.split("x"))
+        gen, lengths, t = torch.Generator().manual_seed(a.seed), [], time.perf_counter()
+        for x in prompts:
+            if k == 1 and nodes == steps:  # a chain: the sampled chain decoder (Leviathan acceptance)
+                out = decode_chain_sampled(model, drafter, x, a.max_new_tokens, steps, a.temperature, 1.0, target.eos_ids, gen)
+            else:
+                out = decode_tree(model, drafter, x, a.max_new_tokens, TreeSpec(k, steps, nodes), target.eos_ids,
+                                  temperature=a.temperature, generator=gen)
+            lengths += out.accept_lengths
+        res["shapes"][shape] = {"topk": k, "depth": steps, "nodes": nodes, "cycles": len(lengths),
+                                "tau_mean": round(sum(lengths) / len(lengths), 3), "accept_by_depth": by_depth(lengths, steps),
+                                "wall_s": round(time.perf_counter() - t, 1)}
+        print(shape, res["shapes"][shape], flush=True)
+        Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
