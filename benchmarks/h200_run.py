@@ -320,19 +320,26 @@ def kernel_profile(run, top_n: int = 40) -> dict:
             "top": {e.key[:80]: [e.count, round(e.self_device_time_total / 1e3, 4)] for e in top}}
 
 
-ENGINE_VARIANTS = ("graphs", "compiled", "compiled_model", "compiled_model_cdt", "compiled_sdpa")
+ENGINE_VARIANTS = ("graphs", "compiled", "compiled_model", "compiled_model_cdt", "compiled_sdpa", "compiled_autotune")
 
 
 def optimize_for(model: Transformer, variant: str):
+    # autotune: inductor benchmarks Triton templates against cuBLAS for each matmul and can then fuse a
+    # layer's pointwise work (rotary, residual adds) into the matmul's epilogue: fewer kernels a step,
+    # which is what bounds SmolLM2's decoding (~560 kernels of ~2 us). Our CUDA graphs stay ours.
+    import torch._inductor.config as inductor
+    inductor.max_autotune = variant == "compiled_autotune"
     if variant == "fused":
         model.optimize()
     elif variant == "compiled":
         model.optimize("inductor")
     elif variant == "compiled_sdpa":  # compiled layers, short queries through SDPA as well
         model.optimize("inductor", attention="sdpa")
+    elif variant == "compiled_autotune":
+        model.optimize("inductor")
     elif variant.startswith("compiled_model"):
         # cdt: inductor's coordinate-descent tuning of its own kernels' launch configs (as gpt-fast sets)
-        torch._inductor.config.coordinate_descent_tuning = variant.endswith("cdt")
+        inductor.coordinate_descent_tuning = variant.endswith("cdt")
         model.optimize("inductor", scope="model")
 
 
