@@ -199,7 +199,7 @@ def bench_smollm(a, res):
         decode_plain(model, x, 32, target.eos_ids, graphs)
         decode_chain(model, drafter, x, 32, 5, target.eos_ids, graphs)
         decode_tree(model, drafter, x, 32, tree, target.eos_ids, graphs)
-    sm = {"prompts": len(ids), "max_new_tokens": a.max_new_bench, "cache_slots": slots, "warmup_s": round(time.perf_counter() - t, 1)}
+    sm = {"prompts": len(ids), "max_new_tokens": a.max_new_bench, "cache_slots": model.max_len, "warmup_s": round(time.perf_counter() - t, 1)}
     res["smollm2"] = sm
     runs = {"plain": [], "chain5": [], "tree": []}
     if plain_drafter is not None:
