@@ -469,36 +469,27 @@ def expand_greedy(logits: torch.Tensor, parent_score: torch.Tensor, k: int):
     return score, ids, None
 
 
-def expand_sampled(logits: torch.Tensor, parent_path: torch.Tensor, k: int, temperature: float, top_p: float,
+def expand_sampled(logits: torch.Tensor, parent_score: torch.Tensor, k: int, temperature: float, top_p: float,
                    generator=None):
     """Each row's k children sampled without replacement from q = probs(logits) by Gumbel-top-k (the
-    order of the perturbed keys is the sampling order). A child's score is its parent's path (the
-    draft log-probability of the parent's own token and its ancestors', path_of) plus the log of the
-    largest q among tokens not drawn before it: it reads its ancestors' tokens, never its own (see
+    order of the perturbed keys is the sampling order). A child's score is its parent's plus the log
+    of the largest q among tokens not drawn before it, so it never reads the child's own token (see
     sampled_order); children past q's support score -inf and do not exist.
-    logits: (F, Vd), parent_path: (F,) -> scores (F, k), draft ids (F, k), q (F, Vd)."""
+    logits: (F, Vd), parent_score: (F,) -> scores (F, k), draft ids (F, k), q (F, Vd)."""
     q = probs(logits, temperature, top_p)
-    score, ids = children_sampled(q, parent_path, k, torch.rand(q.shape, generator=generator, device=q.device))
+    score, ids = children_sampled(q, parent_score, k, torch.rand(q.shape, generator=generator, device=q.device))
     return score, ids, q
 
 
-def path_of(q: torch.Tensor, parent_path: torch.Tensor, ids: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
-    """The children's paths: parent_path (F,) plus the log q (F, Vd) of each child's own token (F, k),
-    capped at the child's score (F, k) (which it never exceeds for children_sampled's scores; the cap
-    keeps any scoring's children from outranking their parent). Their children are scored from it,
-    so a sampled branch of unlikely tokens ranks low below it."""
-    return torch.minimum(score, parent_path[:, None] + q.gather(-1, ids).log())
-
-
-def children_sampled(q: torch.Tensor, parent_path: torch.Tensor, k: int, u: torch.Tensor):
+def children_sampled(q: torch.Tensor, parent_score: torch.Tensor, k: int, u: torch.Tensor):
     """expand_sampled's draw and scores from given uniforms u (F, Vd), with fixed shapes and no host
-    work (so inside a graph too): q (F, Vd), parent_path (F,) -> scores (F, k), draft ids (F, k)."""
+    work (so inside a graph too): q (F, Vd), parent_score (F,) -> scores (F, k), draft ids (F, k)."""
     keys, ids = gumbel_keys(q, u).topk(k, dim=-1)  # (F, k) in draw order
     left, best = q.clone(), []
     for i in range(k):
         best.append(left.amax(-1))
         left = left.scatter(-1, ids[:, i : i + 1], 0.0)
-    score = (parent_path[:, None] + torch.stack(best, -1).log()).cummin(-1).values  # exact monotonicity
+    score = (parent_score[:, None] + torch.stack(best, -1).log()).cummin(-1).values  # exact monotonicity
     return score.masked_fill(keys.isneginf(), float("-inf")), ids
 
 
@@ -508,16 +499,12 @@ def sampled_order(score: list[float], nodes: range, parents: list[int], depth: l
     Why selecting by this order keeps sampled verification lossless: rejection sampling over a node's
     children is exact only if trying its i-th drawn child is decided independently of that child's
     token and of what was drawn after it, given the children drawn before. Scores never read a
-    node's own token (expand_sampled: the parent's path, which reads the ancestors' tokens, plus a
-    bound that reads only the elder siblings') and never increase from parent to child (a child's
-    score is at most its parent's path, which is at most the parent's score: q of the parent's
-    token is at most the bound it was scored with) or from a child to its next sibling, so every
-    node comes after its ancestors and elder siblings here, and whether it is expanded (best K of
-    its level) or verified (best N) depends only on the nodes before it, never on its own token or
-    on its subtree or younger siblings (the only nodes whose scores read its token). Hence the
-    verified children of each node are a prefix of its draw order whose length never depends on
-    their tokens. A prefix alone is not enough: with EAGLE-2's score, log q(x), whether x is tried
-    would depend on x."""
+    node's own token (expand_sampled) and never increase from parent to child or from a child to
+    its next sibling, so every node comes after its ancestors and elder siblings here, and whether
+    it is expanded (best K of its level) or verified (best N) depends only on the nodes before it,
+    never on its own token or on its subtree or younger siblings. Hence the verified children of
+    each node are a prefix of its draw order whose length never depends on their tokens. A prefix
+    alone is not enough: with EAGLE-2's score, log q(x), whether x is tried would depend on x."""
     def path(i):
         out = []
         while i >= 0:
@@ -542,12 +529,10 @@ def draft_tree(drafter: Eagle3Drafter, last_hidden: torch.Tensor, pos: int, spec
     sampled = temperature > 0
     step = masked_step(drafter)
 
-    def expand(h, parent_path):  # drafter outputs (F, H) -> child scores, draft ids (F, K), q (F, Vd) or None, paths
+    def expand(h, parent_score):  # drafter outputs (F, H) -> child scores, draft ids (F, K), q (F, Vd) or None
         if sampled:
-            score, ids, q = expand_sampled(drafter.logits(h), parent_path, K, temperature, top_p, generator)
-            return score, ids, q, path_of(q, parent_path, ids, score)
-        score, ids, _ = expand_greedy(drafter.logits(h), parent_path, K)
-        return score, ids, None, score  # greedy: a node's score is its path
+            return expand_sampled(drafter.logits(h), parent_score, K, temperature, top_p, generator)
+        return expand_greedy(drafter.logits(h), parent_score, K)
 
     def best(first: int, n: int) -> list[int]:  # the n best nodes from index `first` on
         score = torch.cat(score_chunks)[first:]
@@ -555,8 +540,8 @@ def draft_tree(drafter: Eagle3Drafter, last_hidden: torch.Tensor, pos: int, spec
             return sampled_order(score.tolist(), range(first, len(parents)), parents, depth, rank)[:n]
         return (first + score.topk(min(n, len(score))).indices).tolist()
 
-    score, ids, q, path = expand(last_hidden[:, -1], torch.zeros(1, device=dev))
-    tok_chunks, score_chunks, path_chunks = [drafter.to_target(ids[0])], [score[0]], [path[0]]
+    score, ids, q = expand(last_hidden[:, -1], torch.zeros(1, device=dev))
+    tok_chunks, score_chunks = [drafter.to_target(ids[0])], [score[0]]
     parents, depth, rank = [-1] * K, [1] * K, list(range(K))
     q_of = {-1: q[0]} if sampled else {}
     frontier = best(0, K) if sampled else list(range(K))
@@ -576,11 +561,10 @@ def draft_tree(drafter: Eagle3Drafter, last_hidden: torch.Tensor, pos: int, spec
         fr = torch.tensor(frontier, device=dev)
         h = graphs(("dtree", F_, id(drafter), S), step, all_tokens[fr][None], hidden, torch.tensor(slots, device=dev),
                    mask[None, None].to(dev), torch.full((1, F_), pos - 2 + d, device=dev))
-        score, ids, q, path = expand(h[0], torch.cat(path_chunks)[fr])
+        score, ids, q = expand(h[0], torch.cat(score_chunks)[fr])
         base = len(parents)
         tok_chunks.append(drafter.to_target(ids.flatten()))
         score_chunks.append(score.flatten())
-        path_chunks.append(path.flatten())
         parents += [f for f in frontier for _ in range(K)]
         depth += [d] * (F_ * K)
         rank += list(range(K)) * F_
@@ -916,24 +900,21 @@ def draft_sampled(drafter: Eagle3Drafter, spec: TreeSpec, temperature: float, to
         dev = h.device
         rows, cols = torch.arange(K, device=dev)[:, None], torch.arange(W, device=dev)
         q = probs(drafter.logits(h[:, -1]), temperature, top_p)  # (1, Vd)
-        root = torch.zeros(1, device=dev)
-        score, ids = children_sampled(q, root, K, u[0, :1])
-        path = path_of(q, root, ids, score)[0]
+        score, ids = children_sampled(q, torch.zeros(1, device=dev), K, u[0, :1])
         score, tok = score[0], drafter.to_target(ids[0])  # (K,) the root's children in draw order
         qs, scores, tokens = [q], [score], [tok]
         parents, depths = [torch.full((K,), -1, device=dev)], [torch.ones(K, dtype=torch.long, device=dev)]
         ranks, own = [torch.arange(K, device=dev)], []  # own: (candidate, q row) of each expanded node
-        # the frontier (candidate ids, paths, tokens): level 1's is all K children in draw order (their
+        # the frontier (candidate ids, scores, tokens): level 1's is all K children in draw order (their
         # scores never increase along it, so this is their stable order by score too)
-        front, fpath, ftok = torch.arange(K, device=dev), path, tok
+        front, fscore, ftok = torch.arange(K, device=dev), score, tok
         hidden, seen = h.expand(1, K, -1), cols == rows  # (1, K, H), (K, W)
         for d in range(2, steps + 1):
             own.append((front, 1 + (d - 2) * K + rows[:, 0]))
             out = drafter(ftok[None], hidden, pos + (d - 2) * K + rows[:, 0], tree_mask(seen, pos, drafter.max_len),
                           (pos - 2 + d).expand(1, K))  # (1, K, H)
             q = probs(drafter.logits(out[0]), temperature, top_p)  # (K, Vd)
-            score, ids = children_sampled(q, fpath, K, u[d - 1])  # (K, K): frontier node i's children in row i
-            path = path_of(q, fpath, ids, score).flatten()
+            score, ids = children_sampled(q, fscore, K, u[d - 1])  # (K, K): frontier node i's children in row i
             score, tok = score.flatten(), drafter.to_target(ids.flatten())
             qs.append(q)
             scores.append(score)
@@ -942,7 +923,7 @@ def draft_sampled(drafter: Eagle3Drafter, spec: TreeSpec, temperature: float, to
             depths.append(torch.full((K * K,), d, device=dev))
             ranks.append(torch.arange(K, device=dev).repeat(K))
             top = score.sort(descending=True, stable=True).indices[:K]  # the next frontier
-            front, fpath, ftok = K + (d - 2) * K * K + top, path[top], tok[top]
+            front, fscore, ftok = K + (d - 2) * K * K + top, score[top], tok[top]
             hidden, seen = out[:, top // K], seen[top // K] | (cols == (d - 1) * K + rows)
         score, parent = torch.cat(scores), torch.cat(parents)  # (C,) candidates in (depth, index) order
         qrow = torch.full_like(parent, -1)
