@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from draftsmith import export, generate, train  # noqa: E402
-from draftsmith.bench import device_name, git_commit, spread  # noqa: E402
+from draftsmith.bench import accept_by_position, device_name, git_commit, spread  # noqa: E402
 from draftsmith.cudagraph import Graphs  # noqa: E402
 from draftsmith.data import SAMPLE_SEP, load_eval, prompt_ids  # noqa: E402
 from draftsmith.decode import TreeSpec, decode_chain, decode_plain, decode_tree, target_step  # noqa: E402
@@ -220,7 +220,7 @@ def bench_smollm(a, res):
         if acc:
             deepest = max(acc)
             out.update(tau_mean=round(sum(acc) / len(acc), 3),
-                       accept_by_position=[round(sum(x > i for x in acc) / len(acc), 3) for i in range(1, deepest)],
+                       accept_by_position=[round(x, 3) for x in accept_by_position(acc, deepest - 1)],
                        draft_s=round(sum(g.draft_seconds for g in gens), 2), verify_s=round(sum(g.verify_seconds for g in gens), 2),
                        other_s=round(secs - sum(g.draft_seconds + g.verify_seconds for g in gens), 2))
         if base is not None:
@@ -337,12 +337,10 @@ def optimize_for(model: Transformer, variant: str):
     inductor.max_autotune = variant == "compiled_autotune"
     if variant == "fused":
         model.optimize()
-    elif variant == "compiled":
+    elif variant in ("compiled", "compiled_autotune"):
         model.optimize("inductor")
     elif variant == "compiled_sdpa":  # compiled layers, short queries through SDPA as well
         model.optimize("inductor", attention="sdpa")
-    elif variant == "compiled_autotune":
-        model.optimize("inductor")
     elif variant.startswith("compiled_model"):
         # cdt: inductor's coordinate-descent tuning of its own kernels' launch configs (as gpt-fast sets)
         inductor.coordinate_descent_tuning = variant.endswith("cdt")
@@ -450,8 +448,7 @@ def bench_smollm2_shape(a, res):
 
 TTT_PATHS = {  # section -> ttt_loss options: what training runs on CUDA now, and the paths it replaced
     "train_8b": {},  # target log-probs once per pack, compiled KL, TTT attention "auto" (compiled flex on CUDA)
-    "train_8b_flex": {"attn_impl": "flex"},  # compiled flex attention named explicitly
-    "train_8b_eager": {"attn_impl": "eager"},  # materialised attention
+    "train_8b_eager": {"attn_impl": "eager"},  # materialised attention (train_8b_flex before flex was the default)
     "train_8b_old": {"attn_impl": "eager", "target_cache_mb": 0, "compile_loss": False},  # as before this session
 }
 

@@ -19,19 +19,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from draftsmith.bench import device_name, git_commit, spread  # noqa: E402
+from draftsmith.bench import accept_by_position, device_name, git_commit, spread  # noqa: E402
 from draftsmith.data import load_eval, prompt_ids  # noqa: E402
 from draftsmith.decode import TreeSpec, decode_chain_sampled, decode_tree  # noqa: E402
 from draftsmith.export import load_any  # noqa: E402
 from draftsmith.target import load_target  # noqa: E402
 
 ASSETS = Path(__file__).resolve().parents[1] / "draftsmith" / "assets"
-
-
-def by_depth(accept_lengths: list[int], depth: int) -> list[float]:
-    """Fraction of cycles that accepted at least d drafts, d = 1..depth."""
-    n = len(accept_lengths)
-    return [round(sum(a - 1 >= d for a in accept_lengths) / n, 3) for d in range(1, depth + 1)]
 
 
 def main():
@@ -64,7 +58,7 @@ def main():
                                   temperature=a.temperature, generator=gen)
             lengths += out.accept_lengths
         res["shapes"][shape] = {"topk": k, "depth": steps, "nodes": nodes, "cycles": len(lengths),
-                                "tau_mean": round(sum(lengths) / len(lengths), 3), "accept_by_depth": by_depth(lengths, steps),
+                                "tau_mean": round(sum(lengths) / len(lengths), 3), "accept_by_depth": [round(x, 3) for x in accept_by_position(lengths, steps)],
                                 "wall_s": round(time.perf_counter() - t, 1)}
         print(shape, res["shapes"][shape], flush=True)
         Path(a.out).write_text(json.dumps(res, indent=1) + "\n")

@@ -113,6 +113,12 @@ def pick_prompts(prompts: list, n: int, warmup: int) -> list:
     return (rest or measured)[:warmup] + measured
 
 
+def accept_by_position(accept_lengths: list[int], depth: int) -> list[float]:
+    """Share of cycles that accepted at least i drafts (the i-th of a chain, a depth-i node of a tree),
+    i = 1..depth; accept lengths count the bonus token."""
+    return [sum(n > i for n in accept_lengths) / max(len(accept_lengths), 1) for i in range(1, depth + 1)]
+
+
 def run(config: BenchConfig) -> BenchResult:
     target = load_target(config.target, config.device, dtype_of(config.dtype))
     model = target.model
@@ -172,7 +178,7 @@ def run(config: BenchConfig) -> BenchResult:
         baseline_tok_s=n_tok / t_plain, spec_tok_s=n_spec / t_spec, speedup=(n_spec / t_spec) / (n_tok / t_plain),
         lossless=all(r["identical"] for r in per), mismatched_prompts=[r["id"] for r in per if not r["identical"]],
         greedy_agreement=agree / max(n_spec, 1),
-        accept_by_position=[sum(n > i for n in lengths) / max(len(lengths), 1) for i in range(1, depth + 1)],
+        accept_by_position=accept_by_position(lengths, depth),
         new_tokens=int(n_tok), draft_s=d_s, verify_s=v_s, overhead_s=t_spec - d_s - v_s,
         device=device_name(config.device), per_prompt=per,
     )

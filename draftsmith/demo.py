@@ -47,7 +47,7 @@ class DemoConfig:
     draft_vocab_size: int = 2048  # from scratch only: a drafter started from another keeps its vocab
     ttt_depth: int = 3
     epochs: int | None = None  # default: 1 from a trained drafter, 6 from scratch
-    lr: float | None = None  # default: 1e-4 from a trained drafter, 2e-3 from scratch
+    lr: float | None = None  # default: from a trained drafter TrainConfig's (1e-4), from scratch 2e-3
     batch_tokens: int = 512  # small packs: more optimizer steps per CPU second, and T^2 attention stays cheap
     bench_prompts: int = 8
     bench_max_new_tokens: int = 256  # as the H200 bench; MT-bench answers run longer, and their openings are the hardest to draft
@@ -85,7 +85,7 @@ def run(config: DemoConfig) -> bench.BenchResult:
     extract.run(extract.ExtractConfig(target=config.target, data=gen.path, out=str(out / "hidden")))
     trained = train.run(train.TrainConfig(
         target=config.target, data=str(out / "hidden"), out=str(out / "train"), draft_vocab_size=config.draft_vocab_size,
-        ttt_depth=config.ttt_depth, epochs=config.epochs or (1 if init else 6), lr=config.lr or (1e-4 if init else 2e-3),
+        ttt_depth=config.ttt_depth, epochs=config.epochs or (1 if init else 6), lr=config.lr or (None if init else 2e-3),
         batch_tokens=config.batch_tokens, rows_per_pack=1, eval_fraction=0.05, init=init))  # one small row a step on a CPU
     exported = export.run(export.ExportConfig(checkpoint=str(out / "train" / "drafter"), out=str(out / "sglang")))
     print(f"exported for SGLang: {exported.out}\n  serve with: {exported.command}")
