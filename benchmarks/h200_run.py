@@ -80,9 +80,12 @@ def phase_train(a):
             target=a.gguf, prompts=prompts, out=str(out), batch_size=a.gen_batch, max_batch_tokens=a.gen_batch_tokens,
             max_prompt_tokens=1024, device=a.device, dtype=a.dtype, **kw))
 
-    if not a.answers or a.resume_generation:  # generate resumes: only prompts not answered yet
-        g = answer(prompts, answers.parent, exclude=evals, max_new_tokens=a.max_new, max_seconds=a.gen_seconds)
+    if not a.answers or a.resume_generation or a.self_prompts:  # generate resumes: only prompts not answered yet
+        g = answer(prompts, answers.parent, exclude=evals, max_new_tokens=a.max_new, max_seconds=a.gen_seconds,
+                   self_prompts=a.self_prompts)
         res.update(prompts=g.total, tokens_generated=g.tokens, generate_s=round(g.seconds, 1), skipped_long=g.skipped_long)
+        if a.self_prompts:  # the target's own prompts (generate.SELF_PROMPTS), answered with the rest
+            res.update(self_prompts=len((answers.parent / generate.SELF_PROMPTS).read_text().splitlines()))
         if "answers" in a.bring_back:  # back at once: a later failure keeps them
             (out / "answers.jsonl.gz").write_bytes(gzip.compress(Path(g.path).read_bytes()))
     train_data = g.path
@@ -616,6 +619,8 @@ def main():
     ap.add_argument("--extra-seed", type=int, default=1, help="sampling seed of this run's extra answers (vary it when adding"
                     " samples to carried ones)")
     ap.add_argument("--extra-sources", default="sharegpt,ultrachat,self_instruct,alpaca", help="prompt file name prefixes")
+    ap.add_argument("--self-prompts", type=int, default=0, help="train: the target also writes this many prompts itself"
+                    " (generate --self-prompts), answered greedily with the rest")
     ap.add_argument("--answers", help="answers.jsonl.gz of an earlier run (or answers.jsonl on this machine): skip generation")
     ap.add_argument("--resume-generation", action="store_true", help="with --answers: answer the prompts it lacks")
     ap.add_argument("--train-steps", type=int, help="schedule steps (skips the timing probe)")

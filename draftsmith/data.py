@@ -213,6 +213,17 @@ def encode_conversation(tokenizer, messages: list[dict]) -> Encoded:
     return Encoded(input_ids=list(enc["input_ids"]), loss_mask=mask)
 
 
+def user_header_ids(tokenizer) -> list[int]:
+    """Chat-templated ids up to where a user's first message begins (system prompt and user header
+    included): from here a chat model writes a user turn itself (generate --self-prompts)."""
+    mark = "\x00user text\x00"
+    text = _render(tokenizer, [{"role": "user", "content": mark}])
+    if text.count(mark) != 1:
+        raise ValueError("the chat template does not render a user message verbatim, so the target cannot be asked to "
+                         "write user turns itself; drop --self-prompts for this target")
+    return list(tokenizer(text[: text.index(mark)], add_special_tokens=False)["input_ids"])
+
+
 def prompt_ids(tokenizer, turns: Sequence[str]) -> list[int]:
     """Chat-templated ids that ask the target to answer the first user turn."""
     if not turns:

@@ -6,6 +6,10 @@ OpenAI-compatible server (SGLang, vLLM) given by `server`. Answers are appended 
 `answers.jsonl` one batch at a time; a rerun (after a crash or Ctrl-C) skips every prompt that
 already has an answer, so each sample is written exactly once.
 
+With `self_prompts` N the target first writes N user prompts itself (the chat template up to a
+user turn, sampled until the model ends the turn, as in Magpie), kept in `self_prompts.jsonl`
+(a prompt file) and answered with the rest: more prompts, in the target's own idea of a chat.
+
     python -m draftsmith generate --target smollm2-135m --prompts prompts.jsonl --out runs/gen
 """
 
@@ -19,12 +23,13 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.data import SAMPLE_SEP, Prompt, load_prompts, prompt_ids
+from draftsmith.data import SAMPLE_SEP, Prompt, load_prompts, normalise, prompt_ids, read_prompt_file, user_header_ids
 from draftsmith.decode import generate_batch
 from draftsmith.common import Progress, dtype_of, write_config
 from draftsmith.target import load_target
 
 ANSWERS = "answers.jsonl"
+SELF_PROMPTS = "self_prompts.jsonl"
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,9 @@ class GenerateConfig:
     max_batch_tokens: int = 1 << 18  # cap on batch * (prompt + max_new): long prompts get smaller batches
     samples: int = 1  # answers per prompt (needs temperature > 0): more, and more varied, text from few prompts;
     # ids become <prompt id>#sample<k>, and train keeps a prompt's samples on one side of its held-out split
+    self_prompts: int = 0  # also this many user prompts written by the target itself (local engine), answered too
+    self_prompt_temperature: float = 1.0
+    self_prompt_max_tokens: int = 128  # a self-written prompt that has not ended its turn by then is dropped
 
     def __post_init__(self):
         if not self.prompts:
@@ -58,6 +66,9 @@ class GenerateConfig:
             raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
         if self.samples < 1 or (self.samples > 1 and self.temperature == 0):
             raise ValueError("samples must be >= 1, and > 1 only with --temperature > 0 (greedy answers would be identical)")
+        if self.self_prompts < 0 or (self.self_prompts and (self.server or self.self_prompt_temperature <= 0)):
+            raise ValueError("self_prompts must be >= 0, needs the local engine (no --server) and a "
+                             "self_prompt_temperature > 0 (greedy would write one prompt over and over)")
 
 
 @dataclass
@@ -124,14 +135,68 @@ def ask_server(cfg: GenerateConfig, p: Prompt) -> tuple[str, int, int, str]:
             "stop" if choice.get("finish_reason") == "stop" else "length")
 
 
+def write_self_prompts(config: GenerateConfig, target, path: Path) -> int:
+    """Have the target write user prompts until `path` holds config.self_prompts of them; returns how many.
+
+    Each try samples from the chat template's user header; a try is kept if the model ends the turn
+    itself (an end-of-turn token within self_prompt_max_tokens), has at least 16 characters and is
+    new (not a training prompt, an excluded evaluation turn or an earlier self prompt). Kept prompts
+    are appended a batch at a time with the index of their try as id; a rerun goes on from the last
+    kept try with fresh draws, so nothing kept is lost or written twice.
+    """
+    tok = target.tokenizer
+    header = user_header_ids(tok)
+    have = read_done(path)
+    seen = {normalise(t) for p in config.exclude for q in read_prompt_file(p) for t in q.turns}
+    seen |= {normalise(p.turns[0]) for p in load_prompts(config.prompts)}
+    if have:
+        seen |= {normalise(p.turns[0]) for p in read_prompt_file(path)}
+    kept, tries = len(have), 1 + max((int(i) for i in have), default=-1)
+    rows = max(1, min(config.batch_size, config.max_batch_tokens // (len(header) + config.self_prompt_max_tokens)))
+    bar = Progress(config.self_prompts, "self-prompts", unit="prompt")
+    bar.update(min(kept, config.self_prompts))
+    first, made = tries, 0
+    with open(path, "a", encoding="utf-8") as f:
+        while kept < config.self_prompts:
+            gen = torch.Generator(config.device).manual_seed(config.seed * 1_000_003 + tries)
+            outs = generate_batch(target.model, [header] * rows, config.self_prompt_max_tokens, target.eos_ids,
+                                  config.self_prompt_temperature, config.top_p, gen)
+            new = 0
+            for k, ids in enumerate(outs):
+                if kept + new >= config.self_prompts or not ids or ids[-1] not in target.eos_ids:
+                    continue
+                text = tok.decode(ids[:-1], skip_special_tokens=True).strip()
+                if len(text) < 16 or normalise(text) in seen:
+                    continue
+                seen.add(normalise(text))
+                f.write(json.dumps({"id": str(tries + k), "prompt": text}) + "\n")
+                new += 1
+            f.flush()
+            kept, tries, made = kept + new, tries + rows, made + new
+            bar.update(new, tokens=sum(len(o) for o in outs))
+            if tries - first >= 4 * rows and made < 0.05 * (tries - first):
+                raise RuntimeError(
+                    f"only {made} of the target's {tries - first} self-written user turns were usable (ended by an "
+                    f"end-of-turn token within {config.self_prompt_max_tokens} tokens, 16+ characters, not seen before): "
+                    "it does not write user turns well enough; drop --self-prompts (or raise --self-prompt-max-tokens)")
+    bar.close()
+    return kept
+
+
 def run(config: GenerateConfig) -> GenerateResult:
+    t0 = time.perf_counter()
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     write_config(out, "generate", config)
     path = out / ANSWERS
     done = read_done(path)
-    todo = [p for p in sampled(load_prompts(config.prompts, config.exclude, config.limit), config.samples) if p.id not in done]
-    t0, written, tokens, skipped = time.perf_counter(), 0, 0, 0
+    target = None if config.server else load_target(config.target, config.device, dtype_of(config.dtype))
+    files = config.prompts
+    if config.self_prompts:
+        write_self_prompts(config, target, out / SELF_PROMPTS)
+        files = (*files, str(out / SELF_PROMPTS))
+    todo = [p for p in sampled(load_prompts(files, config.exclude, config.limit), config.samples) if p.id not in done]
+    written, tokens, skipped = 0, 0, 0
     bar = Progress(len(todo), "generate", unit="prompt")
     with open(path, "a", encoding="utf-8") as f:
         if config.server:
@@ -142,7 +207,6 @@ def run(config: GenerateConfig) -> GenerateResult:
                 written, tokens = written + 1, tokens + n_a
                 bar.update(1, tokens=n_a)
         else:
-            target = load_target(config.target, config.device, dtype_of(config.dtype))
             tok = target.tokenizer
             encoded = [(p, prompt_ids(tok, p.turns)) for p in todo]
             skipped = sum(len(ids) > config.max_prompt_tokens for _, ids in encoded)

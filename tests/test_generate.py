@@ -89,3 +89,60 @@ def test_bad_config_is_refused():
         GenerateConfig(target="x", prompts=(), out="o")
     with pytest.raises(ValueError, match="top_p"):
         GenerateConfig(target="x", prompts=("p",), out="o", top_p=0)
+
+
+def test_the_target_writes_its_own_prompts_each_kept_once_after_a_crash(tiny_target_dir, tmp_path, monkeypatch):
+    from draftsmith.data import user_header_ids
+    from draftsmith.target import load_target
+
+    tok = load_target(str(tiny_target_dir)).tokenizer
+    header = "<|im_start|>system\nYou are a tiny test model.<|im_end|>\n<|im_start|>user\n"
+    assert user_header_ids(tok) == tok(header, add_special_tokens=False)["input_ids"]
+    prompts = write_prompts(tmp_path / "p.jsonl", 3)
+    cfg = GenerateConfig(target=str(tiny_target_dir), prompts=(str(prompts),), out=str(tmp_path / "gen"),
+                         max_new_tokens=8, batch_size=8, self_prompts=5, self_prompt_max_tokens=48)
+    real = generate.generate_batch
+    calls = []
+
+    def crash_after_one_useful_batch(model, rows, *args):
+        out = real(model, rows, *args)
+        calls.append(rows[0] == user_header_ids(tok))
+        if calls[-1] and (tmp_path / "gen" / "self_prompts.jsonl").exists() and \
+                (tmp_path / "gen" / "self_prompts.jsonl").read_text():
+            raise KeyboardInterrupt  # a crash after at least one batch of self prompts is on disk
+        return out
+
+    monkeypatch.setattr(generate, "generate_batch", crash_after_one_useful_batch)
+    with pytest.raises(KeyboardInterrupt):
+        generate.run(cfg)
+    before = (tmp_path / "gen" / "self_prompts.jsonl").read_text().splitlines()
+    assert 0 < len(before) < 5
+    monkeypatch.setattr(generate, "generate_batch", real)
+    result = generate.run(cfg)
+    lines = (tmp_path / "gen" / "self_prompts.jsonl").read_text().splitlines()
+    assert lines[: len(before)] == before and len(lines) == 5  # nothing kept was lost or redone
+    texts = [json.loads(l)["prompt"] for l in lines]
+    assert len(set(texts)) == 5 and all(len(t) >= 16 for t in texts)
+    assert result.total == 3 + 5  # the self-written prompts are answered with the given ones
+    ids = ids_in(tmp_path / "gen" / "answers.jsonl")
+    assert sorted(ids) == sorted([f"p/{i}" for i in range(3)] + [f"self_prompts/{json.loads(l)['id']}" for l in lines])
+    answered = {json.loads(l)["conversations"][0]["content"] for l in (tmp_path / "gen" / "answers.jsonl").read_text().splitlines()}
+    assert set(texts) <= answered
+    assert generate.run(cfg).written == 0
+
+
+def test_a_target_that_never_ends_its_user_turn_gets_a_clear_error(tiny_target_dir, tmp_path, monkeypatch):
+    prompts = write_prompts(tmp_path / "p.jsonl", 2)
+    cfg = GenerateConfig(target=str(tiny_target_dir), prompts=(str(prompts),), out=str(tmp_path / "gen"),
+                         batch_size=4, self_prompts=3)
+    same = "Tell me a story about the sea."
+    from draftsmith.target import load_target
+
+    t = load_target(str(tiny_target_dir))
+    ids = t.tokenizer(same, add_special_tokens=False)["input_ids"] + [t.eos_ids[0]]
+    monkeypatch.setattr(generate, "generate_batch", lambda model, rows, *a: [list(ids) for _ in rows])
+    with pytest.raises(RuntimeError, match="drop --self-prompts"):  # one prompt over and over: kept once, then stuck
+        generate.run(cfg)
+    assert [json.loads(l)["prompt"] for l in (tmp_path / "gen" / "self_prompts.jsonl").read_text().splitlines()] == [same]
+    with pytest.raises(ValueError, match="local engine"):
+        GenerateConfig(target="x", prompts=("p",), out="o", self_prompts=2, server="http://localhost:1/v1")
