@@ -69,6 +69,10 @@ def phase_train(a):
             lines = [line for line in lines if SAMPLE_SEP not in json.loads(line)["id"]]
         answers.parent.mkdir(parents=True, exist_ok=True)
         answers.write_text("".join(lines))
+        own = [json.loads(line) for line in lines if json.loads(line)["id"].startswith("self_prompts/")]
+        if own:  # the target's own prompts come back with their answers: generate goes on from them, ids unchanged
+            (answers.parent / generate.SELF_PROMPTS).write_text("".join(json.dumps(
+                {"id": r["id"].split("/", 1)[1], "prompt": r["conversations"][0]["content"]}) + "\n" for r in own))
         res.update(answers_from=a.answers, answers_carried=len(lines), extra_carried=len(sampled) if a.extra_samples else 0)
     elif a.answers:  # this machine's own file from an earlier call (still warm)
         answers = Path(a.answers)
@@ -614,12 +618,14 @@ def main():
     ap.add_argument("--gen-seconds", type=float, default=220)
     ap.add_argument("--eval-mtbench", action=argparse.BooleanOptionalAction, default=True,
                     help="train: also score the target's MT-bench answers every epoch")
-    ap.add_argument("--extra-samples", type=int, default=0, help="train: also this many sampled answers per chat-like prompt")
+    # the measured recipe (h200-recipe.md, run 9): greedy answers to every prompt, 2 sampled answers per chat-like prompt,
+    # 12,000 prompts the target writes itself (defaults since 2026-12-04; earlier commands ran with 0 and 0)
+    ap.add_argument("--extra-samples", type=int, default=2, help="train: also this many sampled answers per chat-like prompt")
     ap.add_argument("--extra-temperature", type=float, default=0.8, help="for the samples made in this run")
     ap.add_argument("--extra-seed", type=int, default=1, help="sampling seed of this run's extra answers (vary it when adding"
                     " samples to carried ones)")
     ap.add_argument("--extra-sources", default="sharegpt,ultrachat,self_instruct,alpaca", help="prompt file name prefixes")
-    ap.add_argument("--self-prompts", type=int, default=0, help="train: the target also writes this many prompts itself"
+    ap.add_argument("--self-prompts", type=int, default=12000, help="train: the target also writes this many prompts itself"
                     " (generate --self-prompts), answered greedily with the rest")
     ap.add_argument("--answers", help="answers.jsonl.gz of an earlier run (or answers.jsonl on this machine): skip generation")
     ap.add_argument("--resume-generation", action="store_true", help="with --answers: answer the prompts it lacks")
