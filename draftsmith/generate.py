@@ -26,7 +26,7 @@ import torch
 from draftsmith.data import SAMPLE_SEP, Prompt, load_prompts, normalise, prompt_ids, read_prompt_file, user_header_ids
 from draftsmith.decode import generate_batch
 from draftsmith.common import Progress, dtype_of, write_config
-from draftsmith.target import load_target
+from draftsmith.target import load_target, load_tokenizer
 
 ANSWERS = "answers.jsonl"
 SELF_PROMPTS = "self_prompts.jsonl"
@@ -53,7 +53,7 @@ class GenerateConfig:
     max_batch_tokens: int = 1 << 18  # cap on batch * (prompt + max_new): long prompts get smaller batches
     samples: int = 1  # answers per prompt (needs temperature > 0): more, and more varied, text from few prompts;
     # ids become <prompt id>#sample<k>, and train keeps a prompt's samples on one side of its held-out split
-    self_prompts: int = 0  # also this many user prompts written by the target itself (local engine), answered too
+    self_prompts: int = 0  # also this many user prompts written by the target itself, answered too
     self_prompt_temperature: float = 1.0
     self_prompt_max_tokens: int = 128  # a self-written prompt that has not ended its turn by then is dropped
 
@@ -66,9 +66,9 @@ class GenerateConfig:
             raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
         if self.samples < 1 or (self.samples > 1 and self.temperature == 0):
             raise ValueError("samples must be >= 1, and > 1 only with --temperature > 0 (greedy answers would be identical)")
-        if self.self_prompts < 0 or (self.self_prompts and (self.server or self.self_prompt_temperature <= 0)):
-            raise ValueError("self_prompts must be >= 0, needs the local engine (no --server) and a "
-                             "self_prompt_temperature > 0 (greedy would write one prompt over and over)")
+        if self.self_prompts < 0 or (self.self_prompts and self.self_prompt_temperature <= 0):
+            raise ValueError("self_prompts must be >= 0, and needs a self_prompt_temperature > 0 (greedy would write "
+                             "one prompt over and over)")
 
 
 @dataclass
@@ -117,25 +117,49 @@ def record(p: Prompt, answer: str, n_prompt: int, n_answer: int, finish: str) ->
     }
 
 
+def post(cfg: GenerateConfig, route: str, body: dict) -> dict:
+    req = urllib.request.Request(cfg.server.rstrip("/") + route, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        return json.loads(r.read())
+
+
 def ask_server(cfg: GenerateConfig, p: Prompt) -> tuple[str, int, int, str]:
-    body = {
+    reply = post(cfg, "/chat/completions", {
         "model": cfg.model_name,
         "messages": [{"role": "user", "content": p.turns[0]}],
         "max_tokens": cfg.max_new_tokens,
         "temperature": cfg.temperature,
         "top_p": cfg.top_p,
         "seed": cfg.seed,
-    }
-    req = urllib.request.Request(cfg.server.rstrip("/") + "/chat/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=600) as r:
-        reply = json.loads(r.read())
+    })
     choice, usage = reply["choices"][0], reply.get("usage", {})
     return (choice["message"]["content"], usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0),
             "stop" if choice.get("finish_reason") == "stop" else "length")
 
 
-def write_self_prompts(config: GenerateConfig, target, path: Path) -> int:
+def user_turns(config: GenerateConfig, target, tok, header: list[int], rows: int, first_try: int) -> tuple[list, int]:
+    """`rows` user turns the target writes from the chat template's user header (None where it did not
+    end the turn within self_prompt_max_tokens), and the tokens that took. Try k draws with seed
+    (seed, first_try + k): locally as one batch, from a server as text completions of the header's ids
+    (token ids, so the server adds no second BOS), which stop at the model's own end of turn."""
+    seed = config.seed * 1_000_003 + first_try
+    if config.server:
+        texts, tokens = [], 0
+        for k in range(rows):
+            reply = post(config, "/completions", {
+                "model": config.model_name, "prompt": header, "max_tokens": config.self_prompt_max_tokens,
+                "temperature": config.self_prompt_temperature, "top_p": config.top_p, "seed": seed + k})
+            choice = reply["choices"][0]
+            texts.append(choice["text"] if choice.get("finish_reason") == "stop" else None)
+            tokens += reply.get("usage", {}).get("completion_tokens", 0)
+        return texts, tokens
+    outs = generate_batch(target.model, [header] * rows, config.self_prompt_max_tokens, target.eos_ids,
+                          config.self_prompt_temperature, config.top_p, torch.Generator(config.device).manual_seed(seed))
+    texts = [tok.decode(ids[:-1], skip_special_tokens=True) if ids and ids[-1] in target.eos_ids else None for ids in outs]
+    return texts, sum(len(ids) for ids in outs)
+
+
+def write_self_prompts(config: GenerateConfig, target, tok, path: Path) -> int:
     """Have the target write user prompts until `path` holds config.self_prompts of them; returns how many.
 
     Each try samples from the chat template's user header; a try is kept if the model ends the turn
@@ -144,7 +168,6 @@ def write_self_prompts(config: GenerateConfig, target, path: Path) -> int:
     are appended a batch at a time with the index of their try as id; a rerun goes on from the last
     kept try with fresh draws, so nothing kept is lost or written twice.
     """
-    tok = target.tokenizer
     header = user_header_ids(tok)
     have = read_done(path)
     seen = {normalise(t) for p in config.exclude for q in read_prompt_file(p) for t in q.turns}
@@ -158,14 +181,12 @@ def write_self_prompts(config: GenerateConfig, target, path: Path) -> int:
     first, made = tries, 0
     with open(path, "a", encoding="utf-8") as f:
         while kept < config.self_prompts:
-            gen = torch.Generator(config.device).manual_seed(config.seed * 1_000_003 + tries)
-            outs = generate_batch(target.model, [header] * rows, config.self_prompt_max_tokens, target.eos_ids,
-                                  config.self_prompt_temperature, config.top_p, gen)
+            texts, n_tokens = user_turns(config, target, tok, header, rows, tries)
             new = 0
-            for k, ids in enumerate(outs):
-                if kept + new >= config.self_prompts or not ids or ids[-1] not in target.eos_ids:
+            for k, text in enumerate(texts):
+                if kept + new >= config.self_prompts or text is None:
                     continue
-                text = tok.decode(ids[:-1], skip_special_tokens=True).strip()
+                text = text.strip()
                 if len(text) < 16 or normalise(text) in seen:
                     continue
                 seen.add(normalise(text))
@@ -173,7 +194,7 @@ def write_self_prompts(config: GenerateConfig, target, path: Path) -> int:
                 new += 1
             f.flush()
             kept, tries, made = kept + new, tries + rows, made + new
-            bar.update(new, tokens=sum(len(o) for o in outs))
+            bar.update(new, tokens=n_tokens)
             if tries - first >= 4 * rows and made < 0.05 * (tries - first):
                 raise RuntimeError(
                     f"only {made} of the target's {tries - first} self-written user turns were usable (ended by an "
@@ -193,7 +214,7 @@ def run(config: GenerateConfig) -> GenerateResult:
     target = None if config.server else load_target(config.target, config.device, dtype_of(config.dtype))
     files = config.prompts
     if config.self_prompts:
-        write_self_prompts(config, target, out / SELF_PROMPTS)
+        write_self_prompts(config, target, target.tokenizer if target else load_tokenizer(config.target), out / SELF_PROMPTS)
         files = (*files, str(out / SELF_PROMPTS))
     todo = [p for p in sampled(load_prompts(files, config.exclude, config.limit), config.samples) if p.id not in done]
     written, tokens, skipped = 0, 0, 0

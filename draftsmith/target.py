@@ -541,10 +541,19 @@ def hf_to_native(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k.removeprefix("model."): v for k, v in sd.items()}
 
 
-def load_target(spec: str, device="cpu", dtype=torch.float32) -> Target:
-    folder = resolve_target(spec)
+def load_tokenizer(spec: str):
+    """The target's tokenizer alone (with its chat template), e.g. for a target that a server runs."""
     from transformers import AutoTokenizer
 
+    folder = resolve_target(spec)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    if tokenizer.chat_template is None:
+        raise ValueError(f"the tokenizer in {folder} has no chat template; draftsmith trains on chat-formatted data")
+    return tokenizer
+
+
+def load_target(spec: str, device="cpu", dtype=torch.float32) -> Target:
+    folder = resolve_target(spec)
     cfg = json.loads((folder / "config.json").read_text())
     args = ModelArgs.from_hf(cfg)
     with torch.device("meta"):
@@ -562,7 +571,4 @@ def load_target(spec: str, device="cpu", dtype=torch.float32) -> Target:
     model = model.to(device=device, dtype=dtype).eval()
     for p in model.parameters():
         p.requires_grad_(False)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    if tokenizer.chat_template is None:
-        raise ValueError(f"the tokenizer in {folder} has no chat template; draftsmith trains on chat-formatted data")
-    return Target(model, tokenizer, str(folder), cfg)
+    return Target(model, load_tokenizer(str(folder)), str(folder), cfg)

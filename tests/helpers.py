@@ -119,3 +119,69 @@ def interrupt_on_call(monkeypatch, module, name: str, call: int):
 
     monkeypatch.setattr(module, name, interrupted)
     return real
+
+
+class StubOpenAIServer:
+    """A minimal OpenAI-compatible HTTP server (`/v1/chat/completions` and `/v1/completions`, token-id
+    prompts included) that answers with a draftsmith Target through generate_batch: what generate's
+    --server path talks to, as SGLang or vLLM would serve the same model. Use as a context manager;
+    `url` is the base URL and `requests` records every body it received."""
+
+    def __init__(self, target):
+        self.target, self.requests = target, []
+
+    def _answer(self, ids: list[int], body: dict) -> tuple[list[int], bool]:
+        from draftsmith.decode import generate_batch
+
+        gen = torch.Generator().manual_seed(int(body.get("seed") or 0))
+        out = generate_batch(self.target.model, [ids], body["max_tokens"], self.target.eos_ids,
+                             float(body.get("temperature", 1.0)), float(body.get("top_p", 1.0)), gen)[0]
+        stop = bool(out) and out[-1] in self.target.eos_ids
+        return (out[:-1] if stop else out), stop
+
+    def reply(self, route: str, body: dict) -> dict:
+        from draftsmith.data import prompt_ids
+
+        self.requests.append((route, body))
+        tok = self.target.tokenizer
+        if route.endswith("/chat/completions"):
+            ids = prompt_ids(tok, [m["content"] for m in body["messages"] if m["role"] == "user"])
+            out, stop = self._answer(ids, body)
+            choice = {"message": {"role": "assistant", "content": tok.decode(out)}}
+        else:  # text completion of a string or of token ids, as the server tokenizes it
+            prompt = body["prompt"]
+            ids = prompt if isinstance(prompt, list) else tok(prompt)["input_ids"]
+            out, stop = self._answer(ids, body)
+            choice = {"text": tok.decode(out)}
+        choice.update(index=0, finish_reason="stop" if stop else "length")
+        usage = {"prompt_tokens": len(ids), "completion_tokens": len(out) + stop}
+        return {"choices": [choice], "usage": usage}
+
+    def __enter__(self):
+        import json
+        import threading
+        from http.server import BaseHTTPRequestHandler, HTTPServer
+
+        stub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                data = json.dumps(stub.reply(self.path, body)).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = HTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        return self
+
+    def __exit__(self, *exc):
+        self.httpd.shutdown()
+        self.httpd.server_close()

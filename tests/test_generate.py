@@ -144,5 +144,38 @@ def test_a_target_that_never_ends_its_user_turn_gets_a_clear_error(tiny_target_d
     with pytest.raises(RuntimeError, match="drop --self-prompts"):  # one prompt over and over: kept once, then stuck
         generate.run(cfg)
     assert [json.loads(l)["prompt"] for l in (tmp_path / "gen" / "self_prompts.jsonl").read_text().splitlines()] == [same]
-    with pytest.raises(ValueError, match="local engine"):
-        GenerateConfig(target="x", prompts=("p",), out="o", self_prompts=2, server="http://localhost:1/v1")
+    with pytest.raises(ValueError, match="self_prompt_temperature"):
+        GenerateConfig(target="x", prompts=("p",), out="o", self_prompts=2, self_prompt_temperature=0)
+
+
+def test_a_server_gives_the_same_answers_and_self_prompts_as_the_local_engine(tiny_target_dir, tmp_path):
+    """generate --server against an OpenAI-compatible server running the same model: the same greedy
+    answers as the local engine, and self-written prompts through text completions of the user header's
+    token ids, kept and answered like local ones."""
+    from draftsmith.data import user_header_ids
+    from draftsmith.target import load_target
+
+    from helpers import StubOpenAIServer
+
+    prompts = write_prompts(tmp_path / "p.jsonl", 4)
+    local = GenerateConfig(target=str(tiny_target_dir), prompts=(str(prompts),), out=str(tmp_path / "local"),
+                           max_new_tokens=12, batch_size=4)
+    generate.run(local)
+    target = load_target(str(tiny_target_dir))
+    with StubOpenAIServer(target) as server:
+        remote = GenerateConfig(target=str(tiny_target_dir), prompts=(str(prompts),), out=str(tmp_path / "remote"),
+                                max_new_tokens=12, server=server.url, batch_size=4, self_prompts=3,
+                                self_prompt_max_tokens=48)
+        result = generate.run(remote)
+        assert generate.run(remote).written == 0  # a rerun asks the server nothing new
+    def answers(folder):
+        return {json.loads(l)["id"]: json.loads(l)["conversations"] for l in (folder / "answers.jsonl").read_text().splitlines()}
+
+    got, want = answers(tmp_path / "remote"), answers(tmp_path / "local")
+    assert {k: v for k, v in got.items() if k.startswith("p/")} == want
+    own = [json.loads(l) for l in (tmp_path / "remote" / "self_prompts.jsonl").read_text().splitlines()]
+    assert len(own) == 3 and result.total == 4 + 3
+    assert {got[f"self_prompts/{r['id']}"][0]["content"] for r in own} == {r["prompt"] for r in own}
+    texts = [body for route, body in server.requests if route.endswith("/v1/completions")]
+    assert texts and all(body["prompt"] == user_header_ids(target.tokenizer) for body in texts)
+    assert len({body["seed"] for body in texts}) == len(texts)  # every try its own draw
