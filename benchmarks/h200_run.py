@@ -223,7 +223,11 @@ def bench_smollm(a, res):
     def summary(gens, base=None):
         n, secs = sum(len(g.tokens) for g in gens), sum(g.seconds for g in gens)
         acc = [x for g in gens for x in g.accept_lengths]
-        out = {"tok_s": round(n / secs, 1), "tokens": n}
+        # tok_s counts prefill (as HF generate's figure does); decode_tok_s leaves each prompt's prefill and the
+        # token it makes out, which is what the random-weight engine runs measure
+        prefill = sum(g.prefill_seconds for g in gens)
+        out = {"tok_s": round(n / secs, 1), "tokens": n, "prefill_s": round(prefill, 2),
+               "decode_tok_s": round((n - len(gens)) / (secs - prefill), 1)}
         if acc:
             deepest = max(acc)
             out.update(tau_mean=round(sum(acc) / len(acc), 3),
