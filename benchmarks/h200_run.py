@@ -578,7 +578,7 @@ def phase_bench(a) -> list[str]:
     out = Path(a.out)
     sections = [("smollm2", bench_smollm)]
     if a.device.startswith("cuda") and a.with_8b:
-        sections += [("llama8b_shape", bench_8b), *((n, train_8b(n)) for n in TTT_PATHS)]
+        sections += [("llama8b_shape", bench_8b), *((n, train_8b(n)) for n in a.ttt_paths.split(","))]
     for name, fn in sections:
         t = time.perf_counter()
         try:
@@ -599,7 +599,8 @@ def main():
     ap.add_argument("--t1", action=argparse.BooleanOptionalAction, default=True, help="bench: also T=1 plain vs tree sampling")
     ap.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True, help="bench: also HF generate")
     ap.add_argument("--drafter", help="bench: an exported drafter folder instead of this run's training output")
-    ap.add_argument("--variants", default=",".join(ENGINE_VARIANTS), help="engine: which engine variants, in order")
+    ap.add_argument("--variants", default=",".join(ENGINE_VARIANTS), help="engine, and bench's 8B shape: which engine"
+                    " variants, in order (graphs,compiled: the default engine and its uncompiled base)")
     ap.add_argument("--sections", default=",".join(["smollm2_shape", "llama8b_shape", *TTT_PATHS]), help="engine: which sections, in order")
     ap.add_argument("--compile-drafter", action=argparse.BooleanOptionalAction, default=True,
                     help="bench: compile the drafter's drafting steps (Eagle3Drafter.optimize)")
@@ -638,7 +639,8 @@ def main():
     ap.add_argument("--depth", type=int, default=7)
     ap.add_argument("--profile-steps", type=int, default=0, help="train: profile this many steps (from step 10) into"
                     " train.json's train_profile")
-    ap.add_argument("--ttt-paths", default=",".join(TTT_PATHS), help="ttt: which of TTT_PATHS to time")
+    ap.add_argument("--ttt-paths", default=",".join(TTT_PATHS), help="ttt, and bench with the 8B shape: which of TTT_PATHS"
+                    " to time (train_8b alone gives train_mfu_8b)")
     ap.add_argument("--attn-impl", default="auto", help="train: TTT attention (auto | eager | flex | probe: time both, train with the faster)")
     ap.add_argument("--compile-loss", action=argparse.BooleanOptionalAction, default=None, help="train: compiled KL (default: on CUDA)")
     ap.add_argument("--ttt-rows", type=int, default=1, help="rows of 2048 tokens in the 8B-shape training step")
