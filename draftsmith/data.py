@@ -130,6 +130,11 @@ def normalise(text: str) -> str:
     return " ".join(text.split()).casefold()
 
 
+def excluded_turns(exclude: Sequence[str | Path]) -> set[str]:
+    """Every turn (normalised) of the excluded files: a training prompt equal to any of them is dropped."""
+    return {normalise(t) for p in exclude for prompt in read_prompt_file(p) for t in prompt.turns}
+
+
 def load_prompts(
     paths: Sequence[str | Path], exclude: Sequence[str | Path] = (), limit: int | None = None
 ) -> list[Prompt]:
@@ -138,7 +143,7 @@ def load_prompts(
     A prompt is dropped when its first turn equals any turn (not only the first) of an excluded
     file, since a later MT-bench turn seen in training would inflate acceptance on it just the same.
     """
-    banned = {normalise(t) for p in exclude for prompt in read_prompt_file(p) for t in prompt.turns}
+    banned = excluded_turns(exclude)
     seen, kept = set(), []
     for path in paths:
         for prompt in read_prompt_file(path):

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.data import SAMPLE_SEP, Prompt, load_prompts, normalise, prompt_ids, read_prompt_file, user_header_ids
+from draftsmith.data import (SAMPLE_SEP, Prompt, excluded_turns, load_prompts, normalise, prompt_ids, read_prompt_file,
+                             user_header_ids)
 from draftsmith.decode import generate_batch
 from draftsmith.common import Progress, dtype_of, write_config
 from draftsmith.target import load_target, load_tokenizer
@@ -79,6 +80,7 @@ class GenerateResult:
     skipped_long: int
     tokens: int  # answer tokens written by this run
     seconds: float
+    self_prompts: int = 0  # self-written prompts in self_prompts.jsonl now
 
 
 def sampled(prompts: list[Prompt], samples: int) -> list[Prompt]:
@@ -170,15 +172,14 @@ def write_self_prompts(config: GenerateConfig, target, tok, path: Path) -> int:
     """
     header = user_header_ids(tok)
     have = read_done(path)
-    seen = {normalise(t) for p in config.exclude for q in read_prompt_file(p) for t in q.turns}
-    seen |= {normalise(p.turns[0]) for p in load_prompts(config.prompts)}
+    seen = excluded_turns(config.exclude) | {normalise(p.turns[0]) for p in load_prompts(config.prompts)}
     if have:
         seen |= {normalise(p.turns[0]) for p in read_prompt_file(path)}
-    kept, tries = len(have), 1 + max((int(i) for i in have), default=-1)
+    kept = start = len(have)
+    tries = first = 1 + max((int(i) for i in have), default=-1)
     rows = max(1, min(config.batch_size, config.max_batch_tokens // (len(header) + config.self_prompt_max_tokens)))
     bar = Progress(config.self_prompts, "self-prompts", unit="prompt")
     bar.update(min(kept, config.self_prompts))
-    first, made = tries, 0
     with open(path, "a", encoding="utf-8") as f:
         while kept < config.self_prompts:
             texts, n_tokens = user_turns(config, target, tok, header, rows, tries)
@@ -193,11 +194,11 @@ def write_self_prompts(config: GenerateConfig, target, tok, path: Path) -> int:
                 f.write(json.dumps({"id": str(tries + k), "prompt": text}) + "\n")
                 new += 1
             f.flush()
-            kept, tries, made = kept + new, tries + rows, made + new
+            kept, tries = kept + new, tries + rows
             bar.update(new, tokens=n_tokens)
-            if tries - first >= 4 * rows and made < 0.05 * (tries - first):
+            if tries - first >= 4 * rows and kept - start < 0.05 * (tries - first):
                 raise RuntimeError(
-                    f"only {made} of the target's {tries - first} self-written user turns were usable (ended by an "
+                    f"only {kept - start} of the target's {tries - first} self-written user turns were usable (ended by an "
                     f"end-of-turn token within {config.self_prompt_max_tokens} tokens, 16+ characters, not seen before): "
                     "it does not write user turns well enough; drop --self-prompts (or raise --self-prompt-max-tokens)")
     bar.close()
@@ -212,9 +213,10 @@ def run(config: GenerateConfig) -> GenerateResult:
     path = out / ANSWERS
     done = read_done(path)
     target = None if config.server else load_target(config.target, config.device, dtype_of(config.dtype))
-    files = config.prompts
+    files, n_self = config.prompts, 0
     if config.self_prompts:
-        write_self_prompts(config, target, target.tokenizer if target else load_tokenizer(config.target), out / SELF_PROMPTS)
+        n_self = write_self_prompts(config, target, target.tokenizer if target else load_tokenizer(config.target),
+                                    out / SELF_PROMPTS)
         files = (*files, str(out / SELF_PROMPTS))
     todo = [p for p in sampled(load_prompts(files, config.exclude, config.limit), config.samples) if p.id not in done]
     written, tokens, skipped = 0, 0, 0
@@ -254,4 +256,4 @@ def run(config: GenerateConfig) -> GenerateResult:
                 if config.max_seconds and time.perf_counter() - t0 > config.max_seconds:
                     break
     bar.close()
-    return GenerateResult(str(path), written, len(done) + written, skipped, tokens, time.perf_counter() - t0)
+    return GenerateResult(str(path), written, len(done) + written, skipped, tokens, time.perf_counter() - t0, n_self)

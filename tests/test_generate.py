@@ -124,6 +124,7 @@ def test_the_target_writes_its_own_prompts_each_kept_once_after_a_crash(tiny_tar
     texts = [json.loads(l)["prompt"] for l in lines]
     assert len(set(texts)) == 5 and all(len(t) >= 16 for t in texts)
     assert result.total == 3 + 5  # the self-written prompts are answered with the given ones
+    assert result.self_prompts == 5
     ids = ids_in(tmp_path / "gen" / "answers.jsonl")
     assert sorted(ids) == sorted([f"p/{i}" for i in range(3)] + [f"self_prompts/{json.loads(l)['id']}" for l in lines])
     answered = {json.loads(l)["conversations"][0]["content"] for l in (tmp_path / "gen" / "answers.jsonl").read_text().splitlines()}
