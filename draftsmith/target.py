@@ -332,6 +332,15 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+def _triton_layer(layer: DecoderLayer, other, kernels):
+    """layer's short-query forward: the Triton kernels where they apply (kernels.supports), else other."""
+    def forward(x, cos, sin, input_pos, mask):
+        if kernels.supports(layer, x):
+            return kernels.layer_forward(layer, x, cos, sin, input_pos, mask)
+        return other(x, cos, sin, input_pos, mask)
+    return forward
+
+
 @dataclass
 class TargetOutput:
     hidden: torch.Tensor  # (B, T, H) final hidden state after the last norm: logits = lm_head(hidden)
@@ -402,7 +411,8 @@ class Transformer(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return small_linear(hidden, self.lm_head.weight).float()  # (..., V)
 
-    def optimize(self, compile_backend: str | None = None, scope: str = "layer", attention: str = "matmul") -> "Transformer":
+    def optimize(self, compile_backend: str | None = None, scope: str = "layer", attention: str = "matmul",
+                 kernels: str = "torch") -> "Transformer":
         """Inference only: fused qkv and gate/up matmuls, and optionally compiled code for short
         queries (decode, verify, trees; torch.compile with `compile_backend`, e.g. "inductor") so that
         norms, rotary embeddings, cache writes and softmax become a few fused kernels. scope "layer"
@@ -411,9 +421,15 @@ class Transformer(nn.Module):
         add into the next one's norm) at the cost of a longer compilation. Captured in a CUDA graph
         (cudagraph.py), a decode step is then a few hundred kernels instead of ~50 a layer. attention
         "sdpa" runs short queries through scaled_dot_product_attention too (default "matmul": two
-        matmuls and an fp32 softmax, the path decode and verify are known to agree on in bf16)."""
+        matmuls and an fp32 softmax, the path decode and verify are known to agree on in bf16). kernels
+        "triton": batch-1 short queries of each layer run as five Triton kernels (kernels.py) instead,
+        the compiled (or eager) layer serving the rest."""
         if scope not in ("layer", "model"):
             raise ValueError(f"scope must be 'layer' or 'model', got {scope!r}")
+        if kernels not in ("torch", "triton"):
+            raise ValueError(f"kernels must be 'torch' or 'triton', got {kernels!r}")
+        if kernels == "triton" and scope == "model":
+            raise ValueError("kernels='triton' replaces layers, so it needs scope='layer'")
         if attention not in ("matmul", "sdpa"):
             raise ValueError(f"attention must be 'matmul' or 'sdpa', got {attention!r}")
         for layer in self.layers:
@@ -425,8 +441,16 @@ class Transformer(nn.Module):
                 del layer.fast
         if hasattr(self, "fast"):
             del self.fast
-        if not compile_backend:
-            return self
+        if compile_backend:
+            self._compile(compile_backend, scope)
+        if kernels == "triton":
+            from draftsmith import kernels as triton_kernels
+
+            for layer in self.layers:
+                layer.fast = _triton_layer(layer, getattr(layer, "fast", layer.forward), triton_kernels)
+        return self
+
+    def _compile(self, compile_backend: str, scope: str):
         # compiled once for one-token steps, once with a dynamic query length for the rest; long
         # prefills stay eager
         if scope == "model":
@@ -437,7 +461,6 @@ class Transformer(nn.Module):
         cfg = torch._dynamo.config
         name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
         setattr(cfg, name, max(getattr(cfg, name), 64))  # a few query lengths x cache sizes x captures
-        return self
 
     def keep_rows(self, rows: torch.Tensor):
         """Drop finished sequences from a batched cache."""

@@ -1,0 +1,243 @@
+"""Triton kernels for the target's batch-1 short-query passes: decode steps, chain and tree verification.
+
+At batch 1 SmolLM2-135M's compiled decode step is ~560 kernels of ~2 us each on an H200
+(h200-decode.json): launches, not bytes, bound it. Here a decoder layer is five kernels:
+
+  1. rmsnorm -> qkv matmul -> rotary on q and k -> k and v written into their cache slots
+  2. attention of every query row over the cache slots up to the last one written, under the mask
+  3. o_proj + residual
+  4. rmsnorm -> gate/up matmul -> silu(gate) * up
+  5. down_proj + residual
+
+Rows (query tokens) go in tiles of ROWS whatever their number, so a token gets the same arithmetic
+in a one-token step as in a 48-node tree verify: in fp32 speculative output equals plain output,
+as with the torch path. Intermediate results are rounded to the model's dtype where the torch
+layer rounds them (matmul outputs, silu, the residual adds). Attention reads the slots up to the
+largest one being written: every mask the engine builds (causal, chain, tree) hides later ones.
+
+`Transformer.optimize(kernels="triton")` routes batch-1 short queries of supported layers here
+(`supports`); everything else keeps the torch path. Tests run these kernels on the CPU through
+Triton's interpreter (TRITON_INTERPRET=1 before this module is imported).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+ROWS = 16  # query rows a tile: tl.dot's smallest M
+MAX_T = 64  # query tokens a call (target.COMPILED_MAX_TOKENS)
+
+
+@triton.jit
+def _rstd(x_ptr, rm, n_rows, eps, K: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr):
+    ss = tl.zeros([BM], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        rk = k0 + tl.arange(0, BK)
+        x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=(rm[:, None] < n_rows) & (rk[None, :] < K), other=0.0)
+        x = x.to(tl.float32)
+        ss += tl.sum(x * x, axis=1)
+    return 1.0 / tl.sqrt(ss / K + eps)
+
+
+@triton.jit
+def _normed(x_ptr, nw_ptr, rm, rk, n_rows, rstd, K: tl.constexpr):
+    """RMSNorm's output tile (BM, BK), rounded as RMSNorm.forward rounds it: x * rstd in fp32, cast,
+    times the weight in the model's dtype."""
+    x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=(rm[:, None] < n_rows) & (rk[None, :] < K), other=0.0)
+    xn = (x.to(tl.float32) * rstd[:, None]).to(x.dtype)
+    w = tl.load(nw_ptr + rk, mask=rk < K, other=0.0)
+    return w[None, :] * xn
+
+
+@triton.jit
+def _qkv_rope_cache(x_ptr, nw_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, n_rows, S, eps,
+                    K: tl.constexpr, D: tl.constexpr, H: tl.constexpr, KV: tl.constexpr, BP: tl.constexpr,
+                    BK: tl.constexpr, BM: tl.constexpr, HAS_BIAS: tl.constexpr, PREC: tl.constexpr):
+    # program (head, pair block, row block); heads are q heads, then k heads, then v heads (qkv's rows).
+    # A program computes BP rotary pairs (d, d + D/2) of one head, so it can rotate them itself.
+    head = tl.program_id(0)
+    d1 = tl.program_id(1) * BP + tl.arange(0, BP)  # first halves; partners at d1 + D/2
+    rm = tl.program_id(2) * BM + tl.arange(0, BM)
+    rstd = _rstd(x_ptr, rm, n_rows, eps, K, BK, BM)
+    acc1 = tl.zeros([BM, BP], dtype=tl.float32)
+    acc2 = tl.zeros([BM, BP], dtype=tl.float32)
+    n1 = head * D + d1
+    for k0 in range(0, K, BK):
+        rk = k0 + tl.arange(0, BK)
+        a = _normed(x_ptr, nw_ptr, rm, rk, n_rows, rstd, K)
+        w1 = tl.load(w_ptr + n1[:, None] * K + rk[None, :], mask=rk[None, :] < K, other=0.0)
+        w2 = tl.load(w_ptr + (n1 + D // 2)[:, None] * K + rk[None, :], mask=rk[None, :] < K, other=0.0)
+        acc1 += tl.dot(a, tl.trans(w1), input_precision=PREC)
+        acc2 += tl.dot(a, tl.trans(w2), input_precision=PREC)
+    dt = q_ptr.dtype.element_ty
+    if HAS_BIAS:
+        y1 = (acc1.to(dt) + tl.load(b_ptr + n1)[None, :]).to(tl.float32)
+        y2 = (acc2.to(dt) + tl.load(b_ptr + n1 + D // 2)[None, :]).to(tl.float32)
+    else:
+        y1 = acc1.to(dt).to(tl.float32)
+        y2 = acc2.to(dt).to(tl.float32)
+    ok = rm < n_rows
+    rope = tl.load(cos_ptr + rm[:, None] * D + d1[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + rm[:, None] * D + D // 2 + d1[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + rm[:, None] * D + d1[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + rm[:, None] * D + D // 2 + d1[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+    rotate = head < H + KV  # q and k heads; v heads pass through
+    o1 = tl.where(rotate, y1 * rope - y2 * s1, y1)
+    o2 = tl.where(rotate, y2 * c2 + y1 * s2, y2)
+    qa = q_ptr + (rm[:, None] * H + head) * D + d1[None, :]  # q buffer (T, H, D)
+    slot = tl.load(slot_ptr + rm, mask=ok, other=0)
+    if head < H:
+        tl.store(qa, o1, mask=ok[:, None])
+        tl.store(qa + D // 2, o2, mask=ok[:, None])
+    elif head < H + KV:
+        ca = ((head - H) * S + slot)[:, None] * D + d1[None, :]  # cache (1, KV, S, D)
+        tl.store(kc_ptr + ca, o1, mask=ok[:, None])
+        tl.store(kc_ptr + ca + D // 2, o2, mask=ok[:, None])
+    else:
+        ca = ((head - H - KV) * S + slot)[:, None] * D + d1[None, :]
+        tl.store(vc_ptr + ca, o1, mask=ok[:, None])
+        tl.store(vc_ptr + ca + D // 2, o2, mask=ok[:, None])
+
+
+@triton.jit
+def _attention(q_ptr, kc_ptr, vc_ptr, m_ptr, slot_ptr, o_ptr, n_rows, S, m_row, m_col, scale,
+               H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr,
+               TMAX: tl.constexpr, PREC: tl.constexpr):
+    # program (kv head, row block); a row is (token t, query head of this kv head's group)
+    REP: tl.constexpr = H // KV
+    j = tl.program_id(0)
+    r = tl.program_id(1) * BM + tl.arange(0, BM)
+    t = r // REP
+    head = j * REP + r % REP
+    ok = t < n_rows
+    rd = tl.arange(0, D)
+    q = tl.load(q_ptr + (t * H + head)[:, None] * D + rd[None, :], mask=ok[:, None], other=0.0)
+    rt = tl.arange(0, TMAX)
+    hi = tl.max(tl.load(slot_ptr + rt, mask=rt < n_rows, other=0), axis=0) + 1  # slots past the last written are hidden
+    m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BM], dtype=tl.float32)
+    acc = tl.zeros([BM, D], dtype=tl.float32)
+    dt = q.dtype
+    for s0 in range(0, hi, BS):
+        rs = s0 + tl.arange(0, BS)
+        inside = rs < hi
+        kv_at = (j * S + rs)[:, None] * D + rd[None, :]
+        k = tl.load(kc_ptr + kv_at, mask=inside[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC).to(dt).to(tl.float32) * scale  # (BM, BS), rounded as q @ k^T is
+        seen = tl.load(m_ptr + t[:, None] * m_row + rs[None, :] * m_col, mask=ok[:, None] & inside[None, :], other=0)
+        s = tl.where(seen != 0, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet: no nan
+        p = tl.exp(s - m_use[:, None])
+        alpha = tl.exp(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(vc_ptr + kv_at, mask=inside[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(dt), v, input_precision=PREC)
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(o_ptr + (t * H + head)[:, None] * D + rd[None, :], out.to(dt), mask=ok[:, None])
+
+
+@triton.jit
+def _linear_residual(a_ptr, w_ptr, r_ptr, y_ptr, n_rows, K: tl.constexpr, N: tl.constexpr, BN: tl.constexpr,
+                     BK: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr):
+    # y = r + a @ w^T, program (column block, row block)
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    rm = tl.program_id(1) * BM + tl.arange(0, BM)
+    ok = rm < n_rows
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        rk = k0 + tl.arange(0, BK)
+        a = tl.load(a_ptr + rm[:, None] * K + rk[None, :], mask=ok[:, None] & (rk[None, :] < K), other=0.0)
+        w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
+        acc += tl.dot(a, tl.trans(w), input_precision=PREC)
+    at = rm[:, None] * N + rn[None, :]
+    inside = ok[:, None] & (rn[None, :] < N)
+    r = tl.load(r_ptr + at, mask=inside, other=0.0)
+    tl.store(y_ptr + at, r + acc.to(r.dtype), mask=inside)
+
+
+@triton.jit
+def _gate_up(x_ptr, nw_ptr, w_ptr, y_ptr, n_rows, eps, K: tl.constexpr, I: tl.constexpr, BN: tl.constexpr,
+             BK: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr):
+    # y = silu(norm(x) @ gate^T) * (norm(x) @ up^T); w is gate_up (2I, K): gate rows, then up rows
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    rm = tl.program_id(1) * BM + tl.arange(0, BM)
+    rstd = _rstd(x_ptr, rm, n_rows, eps, K, BK, BM)
+    acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+    acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        rk = k0 + tl.arange(0, BK)
+        a = _normed(x_ptr, nw_ptr, rm, rk, n_rows, rstd, K)
+        inside = (rn[:, None] < I) & (rk[None, :] < K)
+        wg = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=inside, other=0.0)
+        wu = tl.load(w_ptr + (rn + I)[:, None] * K + rk[None, :], mask=inside, other=0.0)
+        acc_g += tl.dot(a, tl.trans(wg), input_precision=PREC)
+        acc_u += tl.dot(a, tl.trans(wu), input_precision=PREC)
+    dt = y_ptr.dtype.element_ty
+    g = acc_g.to(dt).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(dt)
+    y = act * acc_u.to(dt)
+    tl.store(y_ptr + rm[:, None] * I + rn[None, :], y, mask=(rm[:, None] < n_rows) & (rn[None, :] < I))
+
+
+def supports(layer, x: torch.Tensor) -> bool:
+    """Whether layer_forward computes this call: batch 1, up to MAX_T tokens, a fused Llama layer
+    (qkv / gate_up from Transformer.optimize) without qk-norm or biases other than qkv's."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return (x.shape[0] == 1 and x.shape[1] <= MAX_T and hasattr(attn, "qkv") and hasattr(mlp, "gate_up")
+            and not hasattr(attn, "q_norm") and attn.o_proj.bias is None and mlp.gate_up.bias is None
+            and mlp.down_proj.bias is None and attn.kv_cache is not None and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and attn.head_dim // 2 >= ROWS and (attn.head_dim & (attn.head_dim - 1)) == 0)
+
+
+def _block(n: int, want_programs: int = 128) -> int:
+    """Columns a program: 16 when that still leaves fewer than want_programs programs at 32."""
+    return 16 if n // 32 < want_programs else 32
+
+
+def _bk(k: int) -> int:
+    """Reduction tile: longer rows take wider steps."""
+    return 128 if k >= 1024 else 64
+
+
+def layer_forward(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: torch.Tensor,
+                  mask: torch.Tensor) -> torch.Tensor:
+    """DecoderLayer.forward for x (1, T, H) at cache slots input_pos (T,) under mask (1, 1, T, S)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    _, T, Hd = x.shape
+    h, kv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    cache = attn.kv_cache
+    S, I = cache.k.shape[2], mlp.down_proj.weight.shape[1]
+    x2 = x.reshape(T, Hd).contiguous()
+    cos, sin = cos.reshape(-1, D)[-T:].contiguous(), sin.reshape(-1, D)[-T:].contiguous()  # (T, D)
+    rows = triton.cdiv(T, ROWS)
+    prec = "ieee" if x.dtype == torch.float32 else "tf32"
+    bk = _bk(Hd)
+    bias = attn.qkv.bias
+    q = torch.empty(T, h, D, dtype=x.dtype, device=x.device)
+    bp = 16
+    _qkv_rope_cache[(h + 2 * kv, D // 2 // bp, rows)](
+        x2, layer.input_layernorm.weight, attn.qkv.weight, bias if bias is not None else x2, cos, sin, input_pos, q,
+        cache.k, cache.v, T, S, layer.input_layernorm.eps, K=Hd, D=D, H=h, KV=kv, BP=bp, BK=bk, BM=ROWS,
+        HAS_BIAS=bias is not None, PREC=prec)
+    o = torch.empty(T, h * D, dtype=x.dtype, device=x.device)
+    m = mask[0, 0]  # (T, S)
+    _attention[(kv, triton.cdiv(T * (h // kv), ROWS))](
+        q, cache.k, cache.v, m, input_pos, o, T, S, m.stride(0), m.stride(1), D**-0.5, H=h, KV=kv, D=D,
+        BS=64 if D > 64 else 128, BM=ROWS, TMAX=MAX_T, PREC=prec)
+    h1 = torch.empty_like(x2)
+    bn = _block(Hd)
+    _linear_residual[(triton.cdiv(Hd, bn), rows)](o, attn.o_proj.weight, x2, h1, T, K=h * D, N=Hd, BN=bn, BK=_bk(h * D),
+                                                   BM=ROWS, PREC=prec)
+    a = torch.empty(T, I, dtype=x.dtype, device=x.device)
+    bi = _block(I)
+    post = layer.post_attention_layernorm
+    _gate_up[(triton.cdiv(I, bi), rows)](h1, post.weight, mlp.gate_up.weight, a, T, post.eps, K=Hd, I=I, BN=bi, BK=bk,
+                                         BM=ROWS, PREC=prec)
+    out = torch.empty_like(x2)
+    _linear_residual[(triton.cdiv(Hd, bn), rows)](a, mlp.down_proj.weight, h1, out, T, K=I, N=Hd, BN=bn, BK=_bk(I),
+                                                   BM=ROWS, PREC=prec)
+    return out.view(1, T, Hd)

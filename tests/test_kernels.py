@@ -1,0 +1,125 @@
+"""Triton kernels (kernels.py) against the torch layer they replace. Without CUDA they run under
+Triton's interpreter, in fp32 (the interpreter's bf16 tl.dot is wrong, so bf16 is checked on CUDA)."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are defined, so before the import
+triton = pytest.importorskip("triton")
+
+from draftsmith import kernels  # noqa: E402
+from draftsmith.decode import TreeSpec, decode_chain, decode_plain, decode_tree, tree_mask  # noqa: E402
+from draftsmith.target import causal_mask  # noqa: E402
+
+from helpers import tiny_drafter, tiny_native  # noqa: E402
+
+S = 64
+
+
+def kernel_target(layers=2, heads=2, **overrides):
+    # head_dim 32 (rotary halves of 16: tl.dot's smallest tile); 2 query heads share each kv head
+    model = tiny_native(layers=layers, num_attention_heads=heads, num_key_value_heads=heads // 2, head_dim=64 // heads,
+                        max_position_embeddings=S, **overrides)
+    model.setup_caches(1, S)
+    return model
+
+
+def run_both(layer, x, cos, sin, pos, mask):
+    """(torch layer output, its cache, kernel output, its cache) from the same starting cache."""
+    cache = layer.self_attn.kv_cache
+    k0, v0 = cache.k.clone(), cache.v.clone()
+    ref = layer(x, cos, sin, pos, mask)
+    ref_cache = cache.k.clone(), cache.v.clone()
+    cache.k.copy_(k0)
+    cache.v.copy_(v0)
+    out = kernels.layer_forward(layer, x, cos, sin, pos, mask)
+    return ref, ref_cache, out, (cache.k.clone(), cache.v.clone())
+
+
+@pytest.mark.parametrize("case", ["decode", "verify", "tree"])
+def test_layer_matches_the_torch_layer_and_writes_the_same_cache(case):
+    model = kernel_target().optimize()
+    layer = model.layers[1]
+    assert kernels.supports(layer, torch.zeros(1, 5, 64))
+    g = torch.Generator().manual_seed(0)
+    for buf in (layer.self_attn.kv_cache.k, layer.self_attn.kv_cache.v):
+        buf.copy_(torch.randn(buf.shape, generator=g))  # a prefix (and stale slots past it) to attend over
+    T, p0 = {"decode": (1, 20), "verify": (5, 30), "tree": (6, 40)}[case]
+    pos = torch.arange(p0, p0 + T)
+    rope = pos[None]
+    mask = causal_mask(pos, S)
+    if case == "tree":  # root with two children, each with a child, one grandchild: depths 0 1 1 2 2 3
+        anc = torch.eye(T, dtype=torch.bool)
+        for node, parent in [(1, 0), (2, 0), (3, 1), (4, 2), (5, 3)]:
+            anc[node] |= anc[parent]
+        mask = tree_mask(anc, torch.tensor(p0), S)
+        rope = (p0 + torch.tensor([0, 1, 1, 2, 2, 3]))[None]
+    x = torch.randn(1, T, 64, generator=g)
+    cos, sin = model.rotary(rope, x.dtype)
+    ref, (kr, vr), out, (k, v) = run_both(layer, x, cos, sin, pos, mask)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(k, kr, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(v, vr, atol=2e-5, rtol=2e-5)
+    assert (k[:, :, : p0] == kr[:, :, : p0]).all() and (k[:, :, p0 + T :] == kr[:, :, p0 + T :]).all()  # only its slots
+
+
+def test_a_token_gets_the_same_bits_alone_as_in_a_verify_pass():
+    """What makes speculative output equal plain output in fp32: row t of a T-token pass is computed
+    exactly as a one-token pass at the same slot (rows go in fixed tiles of kernels.ROWS)."""
+    model = kernel_target().optimize()
+    layer = model.layers[0]
+    g = torch.Generator().manual_seed(1)
+    for buf in (layer.self_attn.kv_cache.k, layer.self_attn.kv_cache.v):
+        buf.copy_(torch.randn(buf.shape, generator=g))
+    x = torch.randn(1, 4, 64, generator=g)
+    pos = torch.arange(10, 14)
+    cos, sin = model.rotary(pos[None], x.dtype)
+    many = kernels.layer_forward(layer, x, cos, sin, pos, causal_mask(pos, S))
+    for t in range(4):  # slots before t hold what the 4-token pass wrote there
+        one = kernels.layer_forward(layer, x[:, t : t + 1], cos[:, t : t + 1], sin[:, t : t + 1], pos[t : t + 1],
+                                    causal_mask(pos[t : t + 1], S))
+        assert torch.equal(one[0, 0], many[0, t])
+
+
+def test_speculative_decoding_on_the_kernels_equals_plain_greedy():
+    eager = kernel_target(layers=4)  # a drafter reads three distinct aux layers
+    model = kernel_target(layers=4).optimize(kernels="triton")
+    drafter = tiny_drafter(model, draft_vocab=200)
+    prompt = torch.randint(3, 320, (1, 8), generator=torch.Generator().manual_seed(3))
+    reference = decode_plain(eager, prompt, 16).tokens
+    assert decode_plain(model, prompt, 16).tokens == reference
+    assert decode_chain(model, drafter, prompt, 16, 3).tokens == reference
+    assert decode_tree(model, drafter, prompt, 16, TreeSpec(2, 3, 4)).tokens == reference
+
+
+def test_layers_the_kernels_do_not_cover_keep_the_torch_path():
+    model = kernel_target(layers=1, attention_bias=True)
+    layer = model.optimize(kernels="triton").layers[0]
+    assert kernels.supports(layer, torch.zeros(1, 1, 64))  # qkv bias: covered
+    assert not kernels.supports(layer, torch.zeros(2, 1, 64))  # batched generation: torch path
+    narrow = kernel_target(layers=1, heads=4).optimize(kernels="triton")  # head_dim 16: rotary halves under 16
+    assert not kernels.supports(narrow.layers[0], torch.zeros(1, 1, 64))
+    prompt = torch.randint(3, 320, (1, 6), generator=torch.Generator().manual_seed(4))
+    assert decode_plain(narrow, prompt, 6).tokens == decode_plain(kernel_target(layers=1, heads=4), prompt, 6).tokens
+    with pytest.raises(ValueError, match="scope='layer'"):
+        kernel_target(layers=1).optimize("inductor", scope="model", kernels="triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_bf16_kernels_on_cuda_match_the_torch_layer():
+    model = kernel_target().cuda().to(torch.bfloat16).optimize()
+    model.setup_caches(1, S)
+    layer = model.layers[1]
+    for buf in (layer.self_attn.kv_cache.k, layer.self_attn.kv_cache.v):
+        buf.normal_()
+    for T in (1, 7):
+        pos = torch.arange(30, 30 + T, device="cuda")
+        x = torch.randn(1, T, 64, device="cuda", dtype=torch.bfloat16)
+        cos, sin = model.rotary(pos[None], x.dtype)
+        ref, (kr, vr), out, (k, v) = run_both(layer, x, cos, sin, pos, causal_mask(pos, S))
+        torch.testing.assert_close(out.float(), ref.float(), atol=0.05, rtol=0.02)
+        torch.testing.assert_close(k.float(), kr.float(), atol=0.05, rtol=0.02)
