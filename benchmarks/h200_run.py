@@ -16,6 +16,7 @@ given back between calls takes the checkpoint with it, and only what came back u
 import argparse
 import dataclasses
 import gzip
+import itertools
 import json
 import os
 import statistics
@@ -338,7 +339,8 @@ def kernel_profile(run, top_n: int = 40) -> dict:
             "top": {e.key[:80]: [e.count, round(e.self_device_time_total / 1e3, 4)] for e in top}}
 
 
-ENGINE_VARIANTS = ("graphs", "compiled", "compiled_model", "compiled_model_cdt", "compiled_sdpa", "compiled_autotune", "triton")
+ENGINE_VARIANTS = ("graphs", "compiled", "compiled_model", "compiled_model_cdt", "compiled_sdpa", "compiled_autotune", "triton",
+                   "triton_sweep")
 
 
 def optimize_for(model: Transformer, variant: str):
@@ -353,12 +355,46 @@ def optimize_for(model: Transformer, variant: str):
         model.optimize("inductor")
     elif variant == "triton":  # batch-1 short queries as five Triton kernels a layer (kernels.py), compiled layers otherwise
         model.optimize("inductor", kernels="triton")
+    elif variant == "triton_sweep":  # the same, with the Tuning whose captured one-token step was fastest
+        model.optimize("inductor", kernels="triton", tuning=sweep_tunings(model))
     elif variant == "compiled_sdpa":  # compiled layers, short queries through SDPA as well
         model.optimize("inductor", attention="sdpa")
     elif variant.startswith("compiled_model"):
         # cdt: inductor's coordinate-descent tuning of its own kernels' launch configs (as gpt-fast sets)
         inductor.coordinate_descent_tuning = variant.endswith("cdt")
         model.optimize("inductor", scope="model")
+
+
+def sweep_tunings(model: Transformer) -> "Tuning":
+    """Times a captured 1- and 8-token step for each kernels.Tuning in a grid (tile widths, attention
+    slots a step, warps), checks each against the unoptimised model's hidden states, prints and keeps
+    the table (model.tuning_sweep) and returns the fastest correct one."""
+    from draftsmith.kernels import Tuning
+    x = torch.randint(0, model.args.vocab_size, (1, 128), device="cuda")
+    pos = torch.tensor([300], device="cuda")
+    for layer in model.layers:  # the reference is the unoptimised layer (fixed_steps runs it for short queries)
+        layer.__dict__.pop("fast", None)
+    reference = fixed_steps(model, x)
+    table, best = {}, None
+    for bk_max, slots, warps in itertools.product((64, 256, 1024), (128, 256), (4, 8)):
+        t = Tuning(bk_max, slots, warps)
+        name = f"bk{bk_max}_s{slots}_w{warps}"
+        try:
+            model.optimize("inductor", kernels="triton", tuning=t)
+            err = max(((h - reference[T]).abs().max() / reference[T].abs().max()).item() for T, h in fixed_steps(model, x).items())
+            graphs, step, row = Graphs(True), target_step(model), {"hidden_rel_err": round(err, 5)}
+            for T in (1, 8):
+                tok = torch.randint(0, 1000, (1, T), device="cuda")
+                graphs(("plain", T), step, tok, pos)
+                row[f"step_T{T}_ms"] = round(timed(lambda: [graphs(("plain", T), step, tok, pos) for _ in range(50)], reps=5) / 50 * 1e3, 4)
+            if err <= HIDDEN_TOLERANCE and (best is None or row["step_T1_ms"] < table[best[0]]["step_T1_ms"]):
+                best = (name, t)
+        except Exception as e:  # noqa: BLE001 - a tile too big for the SM's memory fails to compile: next
+            row = {"error": repr(e)[:300]}
+        table[name] = row
+        print("sweep", name, json.dumps(row), flush=True)
+    model.tuning_sweep = {"table": table, "best": best[0] if best else None}
+    return best[1] if best else Tuning()
 
 
 HIDDEN_TOLERANCE = 0.1  # largest |hidden - reference| over the reference's largest entry that counts as the same model
@@ -411,6 +447,8 @@ def engine_speed(model: Transformer, bw: float, label: str, variants=ENGINE_VARI
         except Exception as e:  # noqa: BLE001 - recorded; the next variant still runs
             v = {"error": repr(e)[:500]}
         v["setup_and_measure_s"] = round(time.perf_counter() - t, 1)
+        if variant == "triton_sweep" and hasattr(model, "tuning_sweep"):
+            v["sweep"] = model.__dict__.pop("tuning_sweep")
         sec[variant] = v
         print(label, variant, json.dumps(v), flush=True)
     # the baseline is the fastest variant that computes the plain model's hidden states (bf16 rounding apart)

@@ -22,12 +22,35 @@ Triton's interpreter (TRITON_INTERPRET=1 before this module is imported).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 ROWS = 16  # query rows a tile: tl.dot's smallest M
 MAX_T = 64  # query tokens a call (target.COMPILED_MAX_TOKENS)
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Tile sizes and warps. One model uses one Tuning for every call, so a token's arithmetic does
+    not depend on how many tokens share the pass. At batch 1 the kernels are latency-bound: a wider
+    reduction tile means fewer dependent steps per program (the H200's measured choice is the default)."""
+    bk_max: int = 64  # reduction tile: K rounded up to a power of 2, at most this
+    slots: int = 128  # attention: cache slots a step
+    warps: int = 4
+
+    def __post_init__(self):
+        for name in ("bk_max", "slots"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"Tuning.{name} must be a power of 2 >= 16, got {v}")
+        if self.warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"Tuning.warps must be 1, 2, 4, 8 or 16, got {self.warps}")
+
+    def bk(self, k: int) -> int:
+        return min(self.bk_max, triton.next_power_of_2(k))
 
 
 @triton.jit
@@ -198,13 +221,8 @@ def _block(n: int, want_programs: int = 128) -> int:
     return 16 if n // 32 < want_programs else 32
 
 
-def _bk(k: int) -> int:
-    """Reduction tile: longer rows take wider steps."""
-    return 128 if k >= 1024 else 64
-
-
 def layer_forward(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: torch.Tensor,
-                  mask: torch.Tensor) -> torch.Tensor:
+                  mask: torch.Tensor, tuning: Tuning = Tuning()) -> torch.Tensor:
     """DecoderLayer.forward for x (1, T, H) at cache slots input_pos (T,) under mask (1, 1, T, S)."""
     attn, mlp = layer.self_attn, layer.mlp
     _, T, Hd = x.shape
@@ -215,29 +233,29 @@ def layer_forward(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     cos, sin = cos.reshape(-1, D)[-T:].contiguous(), sin.reshape(-1, D)[-T:].contiguous()  # (T, D)
     rows = triton.cdiv(T, ROWS)
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
-    bk = _bk(Hd)
+    bk, nw = tuning.bk(Hd), tuning.warps
     bias = attn.qkv.bias
     q = torch.empty(T, h, D, dtype=x.dtype, device=x.device)
     bp = 16
     _qkv_rope_cache[(h + 2 * kv, D // 2 // bp, rows)](
         x2, layer.input_layernorm.weight, attn.qkv.weight, bias if bias is not None else x2, cos, sin, input_pos, q,
         cache.k, cache.v, T, S, layer.input_layernorm.eps, K=Hd, D=D, H=h, KV=kv, BP=bp, BK=bk, BM=ROWS,
-        HAS_BIAS=bias is not None, PREC=prec)
+        HAS_BIAS=bias is not None, PREC=prec, num_warps=nw)
     o = torch.empty(T, h * D, dtype=x.dtype, device=x.device)
     m = mask[0, 0]  # (T, S)
     _attention[(kv, triton.cdiv(T * (h // kv), ROWS))](
         q, cache.k, cache.v, m, input_pos, o, T, S, m.stride(0), m.stride(1), D**-0.5, H=h, KV=kv, D=D,
-        BS=64 if D > 64 else 128, BM=ROWS, TMAX=MAX_T, PREC=prec)
+        BS=tuning.slots, BM=ROWS, TMAX=MAX_T, PREC=prec, num_warps=nw)
     h1 = torch.empty_like(x2)
     bn = _block(Hd)
-    _linear_residual[(triton.cdiv(Hd, bn), rows)](o, attn.o_proj.weight, x2, h1, T, K=h * D, N=Hd, BN=bn, BK=_bk(h * D),
-                                                   BM=ROWS, PREC=prec)
+    _linear_residual[(triton.cdiv(Hd, bn), rows)](o, attn.o_proj.weight, x2, h1, T, K=h * D, N=Hd, BN=bn, BK=tuning.bk(h * D),
+                                                   BM=ROWS, PREC=prec, num_warps=nw)
     a = torch.empty(T, I, dtype=x.dtype, device=x.device)
     bi = _block(I)
     post = layer.post_attention_layernorm
     _gate_up[(triton.cdiv(I, bi), rows)](h1, post.weight, mlp.gate_up.weight, a, T, post.eps, K=Hd, I=I, BN=bi, BK=bk,
-                                         BM=ROWS, PREC=prec)
+                                         BM=ROWS, PREC=prec, num_warps=nw)
     out = torch.empty_like(x2)
-    _linear_residual[(triton.cdiv(Hd, bn), rows)](a, mlp.down_proj.weight, h1, out, T, K=I, N=Hd, BN=bn, BK=_bk(I),
-                                                   BM=ROWS, PREC=prec)
+    _linear_residual[(triton.cdiv(Hd, bn), rows)](a, mlp.down_proj.weight, h1, out, T, K=I, N=Hd, BN=bn, BK=tuning.bk(I),
+                                                   BM=ROWS, PREC=prec, num_warps=nw)
     return out.view(1, T, Hd)

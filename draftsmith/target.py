@@ -332,11 +332,11 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-def _triton_layer(layer: DecoderLayer, other, kernels):
+def _triton_layer(layer: DecoderLayer, other, kernels, tuning):
     """layer's short-query forward: the Triton kernels where they apply (kernels.supports), else other."""
     def forward(x, cos, sin, input_pos, mask):
         if kernels.supports(layer, x):
-            return kernels.layer_forward(layer, x, cos, sin, input_pos, mask)
+            return kernels.layer_forward(layer, x, cos, sin, input_pos, mask, tuning)
         return other(x, cos, sin, input_pos, mask)
     return forward
 
@@ -412,7 +412,7 @@ class Transformer(nn.Module):
         return small_linear(hidden, self.lm_head.weight).float()  # (..., V)
 
     def optimize(self, compile_backend: str | None = None, scope: str = "layer", attention: str = "matmul",
-                 kernels: str = "torch") -> "Transformer":
+                 kernels: str = "torch", tuning=None) -> "Transformer":
         """Inference only: fused qkv and gate/up matmuls, and optionally compiled code for short
         queries (decode, verify, trees; torch.compile with `compile_backend`, e.g. "inductor") so that
         norms, rotary embeddings, cache writes and softmax become a few fused kernels. scope "layer"
@@ -423,7 +423,7 @@ class Transformer(nn.Module):
         "sdpa" runs short queries through scaled_dot_product_attention too (default "matmul": two
         matmuls and an fp32 softmax, the path decode and verify are known to agree on in bf16). kernels
         "triton": batch-1 short queries of each layer run as five Triton kernels (kernels.py) instead,
-        the compiled (or eager) layer serving the rest."""
+        the compiled (or eager) layer serving the rest; `tuning` (kernels.Tuning) their tile sizes."""
         if scope not in ("layer", "model"):
             raise ValueError(f"scope must be 'layer' or 'model', got {scope!r}")
         if kernels not in ("torch", "triton"):
@@ -446,8 +446,9 @@ class Transformer(nn.Module):
         if kernels == "triton":
             from draftsmith import kernels as triton_kernels
 
+            tuning = tuning or triton_kernels.Tuning()
             for layer in self.layers:
-                layer.fast = _triton_layer(layer, getattr(layer, "fast", layer.forward), triton_kernels)
+                layer.fast = _triton_layer(layer, getattr(layer, "fast", layer.forward), triton_kernels, tuning)
         return self
 
     def _compile(self, compile_backend: str, scope: str):

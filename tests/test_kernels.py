@@ -27,7 +27,7 @@ def kernel_target(layers=2, heads=2, **overrides):
     return model
 
 
-def run_both(layer, x, cos, sin, pos, mask):
+def run_both(layer, x, cos, sin, pos, mask, tuning=kernels.Tuning()):
     """(torch layer output, its cache, kernel output, its cache) from the same starting cache."""
     cache = layer.self_attn.kv_cache
     k0, v0 = cache.k.clone(), cache.v.clone()
@@ -35,12 +35,18 @@ def run_both(layer, x, cos, sin, pos, mask):
     ref_cache = cache.k.clone(), cache.v.clone()
     cache.k.copy_(k0)
     cache.v.copy_(v0)
-    out = kernels.layer_forward(layer, x, cos, sin, pos, mask)
+    out = kernels.layer_forward(layer, x, cos, sin, pos, mask, tuning)
     return ref, ref_cache, out, (cache.k.clone(), cache.v.clone())
 
 
+# the default tiles take one step over this tiny model's rows and cache; small tiles take several
+# (the reduction loops and the attention's running softmax across slot blocks)
+TUNINGS = {"default": kernels.Tuning(), "small-tiles": kernels.Tuning(bk_max=16, slots=16, warps=2)}
+
+
+@pytest.mark.parametrize("tuning", TUNINGS.values(), ids=TUNINGS.keys())
 @pytest.mark.parametrize("case", ["decode", "verify", "tree"])
-def test_layer_matches_the_torch_layer_and_writes_the_same_cache(case):
+def test_layer_matches_the_torch_layer_and_writes_the_same_cache(case, tuning):
     model = kernel_target().optimize()
     layer = model.layers[1]
     assert kernels.supports(layer, torch.zeros(1, 5, 64))
@@ -59,7 +65,7 @@ def test_layer_matches_the_torch_layer_and_writes_the_same_cache(case):
         rope = (p0 + torch.tensor([0, 1, 1, 2, 2, 3]))[None]
     x = torch.randn(1, T, 64, generator=g)
     cos, sin = model.rotary(rope, x.dtype)
-    ref, (kr, vr), out, (k, v) = run_both(layer, x, cos, sin, pos, mask)
+    ref, (kr, vr), out, (k, v) = run_both(layer, x, cos, sin, pos, mask, tuning)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(k, kr, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(v, vr, atol=2e-5, rtol=2e-5)
