@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from draftsmith import export, generate, train  # noqa: E402
-from draftsmith.bench import accept_by_position, device_name, git_commit, spread  # noqa: E402
+from draftsmith.bench import accept_by_position, device_name, git_commit, spread, warm_prompt_shapes  # noqa: E402
 from draftsmith.cudagraph import Graphs  # noqa: E402
 from draftsmith.data import SAMPLE_SEP, load_eval, prompt_ids  # noqa: E402
 from draftsmith.decode import TreeSpec, decode_chain, decode_plain, decode_tree, target_step  # noqa: E402
@@ -208,6 +208,7 @@ def bench_smollm(a, res):
         decode_plain(model, x, 32, target.eos_ids, graphs)
         decode_chain(model, drafter, x, 32, 5, target.eos_ids, graphs)
         decode_tree(model, drafter, x, 32, tree, target.eos_ids, graphs)
+    warm_prompt_shapes(model, ids, target.eos_ids, graphs)
     sm = {"prompts": len(ids), "max_new_tokens": a.max_new_bench, "cache_slots": model.max_len, "warmup_s": round(time.perf_counter() - t, 1)}
     res["smollm2"] = sm
     runs = {"plain": [], "chain5": [], "tree": []}
@@ -372,6 +373,7 @@ def sweep_tunings(model: Transformer) -> "Tuning":
     from draftsmith.kernels import Tuning
     x = torch.randint(0, model.args.vocab_size, (1, 128), device="cuda")
     pos = torch.tensor([300], device="cuda")
+    model.setup_caches(1, max(model.max_len, 1024))
     for layer in model.layers:  # the reference is the unoptimised layer (fixed_steps runs it for short queries)
         layer.__dict__.pop("fast", None)
     reference = fixed_steps(model, x)
@@ -411,10 +413,11 @@ def fixed_steps(model: Transformer, x) -> dict[int, torch.Tensor]:
     return out
 
 
-def engine_speed(model: Transformer, bw: float, label: str, variants=ENGINE_VARIANTS) -> dict:
+def engine_speed(model: Transformer, bw: float, label: str, variants=ENGINE_VARIANTS, rows=(1, 8)) -> dict:
     """Batch-1 greedy decode speed of one target, for each engine variant in turn (the model is
     optimised in place): CUDA graphs over eager kernels; + fused qkv/gate-up and compiled layers;
-    + the whole forward compiled as one graph; + inductor's coordinate-descent tuning."""
+    + the whole forward compiled as one graph; + inductor's coordinate-descent tuning. rows: the pass
+    sizes timed (step_T{n}_ms); 1 and 8 always (verify8_over_step), more to see what a tree's size costs."""
     args = model.args
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     if not args.tie_word_embeddings:
@@ -436,12 +439,12 @@ def engine_speed(model: Transformer, bw: float, label: str, variants=ENGINE_VARI
             runs = [decode_plain(model, x, 256, (), graphs) for _ in range(3)]
             v["tok_s"] = round(statistics.median(255 / (r.seconds - r.prefill_seconds) for r in runs), 1)
             step = target_step(model)
-            for T in (1, 8):
+            for T in sorted({1, 8, *rows}):
                 tok = torch.randint(0, 1000, (1, T), device="cuda")
                 graphs(("plain", T), step, tok, pos)
                 v[f"step_T{T}_ms"] = round(timed(lambda: [graphs(("plain", T), step, tok, pos) for _ in range(50)], reps=5) / 50 * 1e3, 4)
             v["verify8_over_step"] = round(v["step_T8_ms"] / v["step_T1_ms"], 3)
-            tok1 = tok[:, :1]
+            tok1 = tok[:, :1].contiguous()
             v["profile_T1"] = kernel_profile(lambda: graphs(("plain", 1), step, tok1, pos))
             v["achieved_TBs"] = round(weight_bytes / (v["step_T1_ms"] / 1e3) / 1e12, 3)
         except Exception as e:  # noqa: BLE001 - recorded; the next variant still runs
@@ -480,7 +483,7 @@ def hf_speed(args: ModelArgs, x) -> float:
 def bench_8b(a, res):
     bw = copy_bandwidth()
     model = random_model(LLAMA8B)
-    sec = {"copy_bandwidth_TBs": round(bw / 1e12, 3), **engine_speed(model, bw, "llama8b", tuple(a.variants.split(",")))}
+    sec = {"copy_bandwidth_TBs": round(bw / 1e12, 3), **engine_speed(model, bw, "llama8b", tuple(a.variants.split(",")), a.rows)}
     dcfg = DraftConfig.from_target(LLAMA8B, 32000)
     drafter = Eagle3Drafter(dcfg).cuda().to(torch.bfloat16).eval()
     drafter.setup_caches(1, 1024)
@@ -508,7 +511,7 @@ def bench_8b(a, res):
 def bench_smollm2_shape(a, res):
     """SmolLM2-135M's shape with random weights: engine speed only (accept lengths need the real model)."""
     bw = copy_bandwidth()
-    sec = engine_speed(random_model(SMOLLM2), bw, "smollm2_shape", tuple(a.variants.split(",")))
+    sec = engine_speed(random_model(SMOLLM2), bw, "smollm2_shape", tuple(a.variants.split(",")), a.rows)
     try:
         sec["hf_tok_s"] = hf_speed(SMOLLM2, torch.randint(0, 1000, (1, 128), device="cuda"))
     except Exception as e:  # noqa: BLE001
@@ -662,6 +665,8 @@ def main():
     ap.add_argument("--drafter", help="bench: an exported drafter folder instead of this run's training output")
     ap.add_argument("--variants", default=",".join(ENGINE_VARIANTS), help="engine, and bench's 8B shape: which engine"
                     " variants, in order (graphs,compiled: the default engine and its uncompiled base)")
+    ap.add_argument("--rows", type=lambda v: tuple(int(n) for n in v.split(",")), default=(1, 8),
+                    help="engine: pass sizes to time besides 1 and 8, e.g. 16,17,32,49,64 (a tree's verify rows)")
     ap.add_argument("--sections", default=",".join(["smollm2_shape", "llama8b_shape", *TTT_PATHS]), help="engine: which sections, in order")
     ap.add_argument("--compile-drafter", action=argparse.BooleanOptionalAction, default=True,
                     help="bench: compile the drafter's drafting steps (Eagle3Drafter.optimize)")

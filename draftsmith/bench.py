@@ -51,12 +51,17 @@ class BenchConfig:
     device: str = "cpu"
     dtype: str = "float32"
     optimize: bool = False  # CUDA: fused qkv / gate-up matmuls, torch.compile'd target layers and drafting steps (the CPU always fuses the target)
+    kernels: str = "torch"  # CUDA: "triton" runs the target's batch-1 decode and verify passes as five Triton kernels a layer (kernels.py)
 
     def __post_init__(self):
         if self.draft_tokens < 1 or self.num_prompts < 1 or self.max_new_tokens < 1:
             raise ValueError("draft_tokens, num_prompts and max_new_tokens must be >= 1")
         if self.mode not in ("chain", "tree"):
             raise ValueError(f"mode must be chain or tree, not {self.mode!r}")
+        if self.kernels not in ("torch", "triton"):
+            raise ValueError(f"kernels must be torch or triton, not {self.kernels!r}")
+        if self.kernels == "triton" and not self.device.startswith("cuda"):
+            raise ValueError("kernels triton needs a CUDA device (--device cuda); on the CPU leave --kernels torch")
 
 
 @dataclass
@@ -113,6 +118,18 @@ def pick_prompts(prompts: list, n: int, warmup: int) -> list:
     return (rest or measured)[:warmup] + measured
 
 
+def warm_prompt_shapes(model, ids: list, eos_ids=(), graphs=None):
+    """One prefill of every prompt before anything is timed. On CUDA the first pass at a new prompt
+    length builds attention plans (~50 ms a length on the H200: the plain runs' prefill took 4.3 s
+    for 80 MT-bench prompts against 2.0 s for the speculative runs after them,
+    logs/bench-compiled-shipped-drafter-bb19a48.json), and that cost fell on whichever decoding ran
+    first for a prompt, plain decoding, which made the speedups look larger. On the CPU nothing is
+    built per length, so nothing is done."""
+    if ids and ids[0].device.type == "cuda":
+        for x in ids:
+            decode_plain(model, x, 1, eos_ids, graphs)
+
+
 def accept_by_position(accept_lengths: list[int], depth: int) -> list[float]:
     """Share of cycles that accepted at least i drafts (the i-th of a chain, a depth-i node of a tree),
     i = 1..depth; accept lengths count the bonus token."""
@@ -123,8 +140,8 @@ def run(config: BenchConfig) -> BenchResult:
     target = load_target(config.target, config.device, dtype_of(config.dtype))
     model = target.model
     cuda = config.device.startswith("cuda")
-    if config.optimize or not cuda:  # fusing is free; on the CPU it is ~4 ms of a ~50 ms SmolLM2 step
-        model.optimize("inductor" if cuda else None)
+    if config.optimize or not cuda or config.kernels != "torch":  # fusing is free; on the CPU it is ~4 ms of a ~50 ms SmolLM2 step
+        model.optimize("inductor" if cuda and config.optimize else None, kernels=config.kernels)
     drafter = load_any(config.drafter, model.embed_tokens.weight.detach().float().cpu())
     drafter = drafter.to(config.device, dtype_of(config.dtype)).eval()
     if config.optimize and cuda:  # the drafting steps compiled whole: ~2.3x less drafting time on the H200 (run 6)
@@ -154,6 +171,7 @@ def run(config: BenchConfig) -> BenchResult:
     for x in ids[: config.warmup]:
         plain(x, 16)
         spec(x, 16)
+    warm_prompt_shapes(model, ids[config.warmup:], target.eos_ids, graphs)
     per, lengths = [], []
     t_plain = t_spec = n_tok = n_spec = d_s = v_s = agree = 0.0
     bar = Progress(len(ids) - config.warmup, "bench", unit="prompt")

@@ -36,8 +36,11 @@ MAX_T = 64  # query tokens a call (target.COMPILED_MAX_TOKENS)
 class Tuning:
     """Tile sizes and warps. One model uses one Tuning for every call, so a token's arithmetic does
     not depend on how many tokens share the pass. At batch 1 the kernels are latency-bound: a wider
-    reduction tile means fewer dependent steps per program (the H200's measured choice is the default)."""
-    bk_max: int = 64  # reduction tile: K rounded up to a power of 2, at most this
+    reduction tile means fewer dependent steps per program. The default is the H200's measured choice
+    (logs/engine-triton-sweep-8114dc5.json): 256-wide reduction tiles made SmolLM2's one-token step
+    0.96 ms against 1.14 ms with 64; 256 slots a step saved under 1% on SmolLM2 and do not fit the
+    8B shape's shared memory, so 128. Sizes count 2-byte elements; fp32 models get half as many."""
+    bk_max: int = 256  # reduction tile: K rounded up to a power of 2, at most this
     slots: int = 128  # attention: cache slots a step
     warps: int = 4
 
@@ -49,8 +52,11 @@ class Tuning:
         if self.warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"Tuning.warps must be 1, 2, 4, 8 or 16, got {self.warps}")
 
-    def bk(self, k: int) -> int:
-        return min(self.bk_max, triton.next_power_of_2(k))
+    def bk(self, k: int, itemsize: int = 2) -> int:
+        return max(16, min(self.bk_max * 2 // max(itemsize, 2), triton.next_power_of_2(k)))
+
+    def slots_for(self, itemsize: int = 2) -> int:
+        return max(16, self.slots * 2 // max(itemsize, 2))
 
 
 @triton.jit
@@ -233,7 +239,8 @@ def layer_forward(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     cos, sin = cos.reshape(-1, D)[-T:].contiguous(), sin.reshape(-1, D)[-T:].contiguous()  # (T, D)
     rows = triton.cdiv(T, ROWS)
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
-    bk, nw = tuning.bk(Hd), tuning.warps
+    size, nw = x.element_size(), tuning.warps
+    bk = tuning.bk(Hd, size)
     bias = attn.qkv.bias
     q = torch.empty(T, h, D, dtype=x.dtype, device=x.device)
     bp = 16
@@ -245,10 +252,10 @@ def layer_forward(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     m = mask[0, 0]  # (T, S)
     _attention[(kv, triton.cdiv(T * (h // kv), ROWS))](
         q, cache.k, cache.v, m, input_pos, o, T, S, m.stride(0), m.stride(1), D**-0.5, H=h, KV=kv, D=D,
-        BS=tuning.slots, BM=ROWS, TMAX=MAX_T, PREC=prec, num_warps=nw)
+        BS=tuning.slots_for(size), BM=ROWS, TMAX=MAX_T, PREC=prec, num_warps=nw)
     h1 = torch.empty_like(x2)
     bn = _block(Hd)
-    _linear_residual[(triton.cdiv(Hd, bn), rows)](o, attn.o_proj.weight, x2, h1, T, K=h * D, N=Hd, BN=bn, BK=tuning.bk(h * D),
+    _linear_residual[(triton.cdiv(Hd, bn), rows)](o, attn.o_proj.weight, x2, h1, T, K=h * D, N=Hd, BN=bn, BK=tuning.bk(h * D, size),
                                                    BM=ROWS, PREC=prec, num_warps=nw)
     a = torch.empty(T, I, dtype=x.dtype, device=x.device)
     bi = _block(I)
@@ -256,6 +263,6 @@ def layer_forward(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     _gate_up[(triton.cdiv(I, bi), rows)](h1, post.weight, mlp.gate_up.weight, a, T, post.eps, K=Hd, I=I, BN=bi, BK=bk,
                                          BM=ROWS, PREC=prec, num_warps=nw)
     out = torch.empty_like(x2)
-    _linear_residual[(triton.cdiv(Hd, bn), rows)](a, mlp.down_proj.weight, h1, out, T, K=I, N=Hd, BN=bn, BK=tuning.bk(I),
+    _linear_residual[(triton.cdiv(Hd, bn), rows)](a, mlp.down_proj.weight, h1, out, T, K=I, N=Hd, BN=bn, BK=tuning.bk(I, size),
                                                    BM=ROWS, PREC=prec, num_warps=nw)
     return out.view(1, T, Hd)

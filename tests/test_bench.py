@@ -1,5 +1,7 @@
 import json
 
+import pytest
+
 from draftsmith.bench import BenchConfig, run, table
 from draftsmith.export import export_sglang, save_trained
 
@@ -69,3 +71,10 @@ def test_device_bench_fails_loudly_when_speculation_disagrees():
     inexact = {"smollm2": {**good["smollm2"], "fp32_exact_runs": "15/16"}}
     assert [m for m in h200.failed_checks(inexact) if "15/16" in m]
     assert h200.failed_checks({"smollm2_error": "RuntimeError('boom')"})
+
+
+def test_bench_config_names_bad_kernel_choices():
+    with pytest.raises(ValueError, match="kernels must be torch or triton"):
+        BenchConfig(target="t", drafter="d", prompts="p", kernels="cuda-graphs")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        BenchConfig(target="t", drafter="d", prompts="p", kernels="triton")
