@@ -186,20 +186,32 @@ def test_fp32_speculation_on_cuda_kernels_at_smollm2_widths_equals_plain():
 @pytest.mark.parametrize("T", [1, 8, 49])
 def test_bf16_kernels_fit_and_match_at_the_llama8b_layer_shape(T):
     """One Llama-3.1-8B-shaped layer (4096 wide, 32 heads of 128, 8 kv heads, 14336 MLP) with the
-    default Tuning: it compiles (its tiles fit the SM's shared memory) and matches the torch layer,
-    for a decode step, a chain verify and a 49-node tree's row count."""
-    model = tiny_native(layers=1, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                        intermediate_size=14336, max_position_embeddings=1024)
-    model = model.to(torch.bfloat16).cuda().optimize()
-    model.setup_caches(1, 1024)
-    layer = model.layers[0]
-    for buf in (layer.self_attn.kv_cache.k, layer.self_attn.kv_cache.v):
+    default Tuning, for a decode step, a chain verify and a 49-node tree's row count: it compiles (its
+    tiles fit an SM) and its bf16 output is as close to the layer computed in fp32 (same bf16 weights,
+    cache and input) as the torch layer's own bf16 pass is, within twice that error. Two bf16 passes
+    differ from each other by about as much as each differs from fp32: ~2% of the largest output here
+    (1.8% for the torch layer at T=8, measured on the CPU; the kernels in fp32 under the interpreter
+    matched the fp32 torch layer to 3e-6 of it at this shape)."""
+    import copy
+
+    base = tiny_native(layers=1, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                       intermediate_size=14336, max_position_embeddings=1024).to(torch.bfloat16)
+    model32 = copy.deepcopy(base).float().cuda().optimize()
+    model = base.cuda().optimize()
+    for m in (model, model32):
+        m.setup_caches(1, 1024)
+    layer, layer32 = model.layers[0], model32.layers[0]
+    for buf, buf32 in ((layer.self_attn.kv_cache.k, layer32.self_attn.kv_cache.k), (layer.self_attn.kv_cache.v, layer32.self_attn.kv_cache.v)):
         buf.normal_()
+        buf32.copy_(buf.float())
     pos = torch.arange(300, 300 + T, device="cuda")
+    mask = causal_mask(pos, 1024)
     x = torch.randn(1, T, 4096, device="cuda", dtype=torch.bfloat16)
+    exact = layer32(x.float(), *model32.rotary(pos[None], torch.float32), pos, mask)
     cos, sin = model.rotary(pos[None], x.dtype)
-    ref, (kr, vr), out, (k, v) = run_both(layer, x, cos, sin, pos, causal_mask(pos, 1024))
-    scale = ref.float().abs().max()
-    assert (out.float() - ref.float()).abs().max() <= 0.02 * scale
+    ref, (kr, vr), out, (k, v) = run_both(layer, x, cos, sin, pos, mask)
+    torch_err = (ref.float() - exact).abs().max()
+    kernel_err = (out.float() - exact).abs().max()
+    assert kernel_err <= 2 * torch_err + 1e-3 * exact.abs().max(), (kernel_err, torch_err, exact.abs().max())
     torch.testing.assert_close(k.float(), kr.float(), atol=0.05, rtol=0.02)
     torch.testing.assert_close(v.float(), vr.float(), atol=0.05, rtol=0.02)
