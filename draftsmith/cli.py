@@ -16,7 +16,7 @@ import sys
 import types
 import typing
 
-from draftsmith import bench, check, demo, export, extract, generate, interop, train
+from draftsmith import bench, check, cost, demo, export, extract, generate, interop, train
 
 STAGES = {
     "generate": (generate.GenerateConfig, generate.run, "the target answers the training prompts itself"),
@@ -26,6 +26,7 @@ STAGES = {
     "import": (interop.ImportConfig, interop.run, "read an EAGLE/SpecForge/speculators drafter into a trained folder"),
     "check": (check.CheckConfig, check.run, "check a draft checkpoint against its target before serving"),
     "bench": (bench.BenchConfig, bench.run, "speculative vs plain decoding: accept length, tok/s, speedup"),
+    "cost": (cost.CostConfig, cost.run, "the accept length a deployment needs to break even, and what one buys"),
     "demo": (demo.DemoConfig, demo.run, "every stage at small scale on the embedded default target"),
 }
 

@@ -1,0 +1,69 @@
+"""The cost model (draftsmith/cost.py) applied to the H200 bench runs: per-cycle costs of chain and
+tree speculation on SmolLM2, the accept length each engine needs to break even and to reach 2x and
+3x, and what the issue's accept-length targets would buy at those costs.
+
+    python benchmarks/cost_h200.py [--out benchmarks/results/cost-model-h200.json]
+
+Decode-only: prefill is taken out of both sides (bench.json's prefill_s), as decode_tok_s does.
+A cycle's accept length counts the bonus token; each prompt's first token comes from prefill.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from draftsmith.cost import CycleCosts, acceptance_needed  # noqa: E402
+
+LOGS = Path(__file__).parent / "results" / "logs"
+RUNS = {  # engine -> bench log (the shipped drafter, all 80 MT-bench first turns, 256 new tokens, bf16)
+    "compiled (bb19a48)": LOGS / "bench-compiled-shipped-drafter-bb19a48.json",
+    "triton, swept tiles (8114dc5)": LOGS / "bench-triton-sweep-shipped-drafter-8114dc5.json",
+}
+STEPS = {"chain5": 5, "tree": 6}  # drafter steps a cycle: 5 drafts; the 8x6x48 tree's depth
+TARGETS = {"chain5": 3.5, "tree": 5.0}  # issue 4's accept lengths
+
+
+def cycle_costs(sm: dict, mode: str) -> tuple[CycleCosts, float, float]:
+    """(costs, accept length, measured decode-only speedup) of one mode of one bench run."""
+    r, plain = sm[mode], sm["plain"]
+    cycles = (r["tokens"] - sm["prompts"]) / r["tau_mean"]
+    decode_s = r["tokens"] / r["decode_tok_s"]
+    other = decode_s - r["draft_s"] - r["verify_s"]  # host work and bookkeeping, prefill excluded
+    costs = CycleCosts(step_ms=1e3 / plain["decode_tok_s"], verify_ms=1e3 * r["verify_s"] / cycles,
+                       draft_ms=1e3 * r["draft_s"] / cycles / STEPS[mode], draft_steps=STEPS[mode],
+                       overhead_ms=1e3 * max(other, 0.0) / cycles)
+    return costs, r["tau_mean"], r["decode_tok_s"] / plain["decode_tok_s"]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "cost-model-h200.json"))
+    a = ap.parse_args()
+    res = {"command": "python benchmarks/cost_h200.py", "inputs": {k: str(v.relative_to(LOGS.parent)) for k, v in RUNS.items()},
+           "model": "speedup = tau * T_ar / (S * T_draft + T_verify + T_other), decode-only (draftsmith/cost.py)"}
+    for engine, path in RUNS.items():
+        sm = json.loads(path.read_text())["smollm2"]
+        sec = res[engine] = {}
+        for mode in STEPS:
+            c, tau, measured = cycle_costs(sm, mode)
+            sec[mode] = {
+                "step_ms": round(c.step_ms, 4), "draft_ms": round(c.draft_ms, 4), "verify_ms": round(c.verify_ms, 4),
+                "other_ms": round(c.overhead_ms, 4), "cycle_ms": round(c.cycle_ms, 4), "cycle_over_step": round(c.break_even_tau, 3),
+                "tau": tau, "predicted_speedup": round(c.speedup(tau), 3), "measured_decode_speedup": round(measured, 3),
+                "break_even_tau": round(c.break_even_tau, 3),
+                "tau_for_2x": round(c.tau_needed(2.0), 3), "tau_for_3x": round(c.tau_needed(3.0), 3),
+                f"speedup_at_tau_{TARGETS[mode]}": round(c.speedup(TARGETS[mode]), 3),
+            }
+            if mode == "chain5":
+                sec[mode]["acceptance_for_2x"] = acceptance_needed(c.tau_needed(2.0), 5)
+                sec[mode]["acceptance_for_3x"] = acceptance_needed(c.tau_needed(3.0), 5)
+            print(engine, mode, json.dumps(sec[mode]))
+    Path(a.out).write_text(json.dumps(res, indent=1))
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()
