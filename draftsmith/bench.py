@@ -12,17 +12,16 @@ decoded first and not counted. The last stdout line is the JSON result.
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import subprocess
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from draftsmith.common import Progress, dtype_of, write_config
+from draftsmith.common import Progress, dtype_of, rows_table, write_result
 from draftsmith.data import load_eval, prompt_ids
 from draftsmith.cudagraph import Graphs
 from draftsmith.decode import (TreeSpec, decode_chain, decode_chain_sampled, decode_plain, decode_tree,
@@ -201,10 +200,7 @@ def run(config: BenchConfig) -> BenchResult:
         device=device_name(config.device), per_prompt=per,
     )
     if config.out:
-        out = Path(config.out)
-        out.mkdir(parents=True, exist_ok=True)
-        write_config(out, "bench", config)
-        (out / "bench.json").write_text(json.dumps(asdict(result), indent=2))
+        write_result(config.out, "bench", config, result)
     return result
 
 
@@ -224,5 +220,4 @@ def table(r: BenchResult) -> str:
          f"NO: {r.mismatched_prompts} (greedy agreement {r.greedy_agreement:.4f})"),
         ("device", r.device),
     ]
-    w = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
+    return rows_table(rows)

@@ -47,6 +47,22 @@ def write_config(folder: str | Path, stage: str, config) -> Path:
     return path
 
 
+def write_result(folder: str | Path, stage: str, config, result) -> Path:
+    """A stage's result as {stage}.json, with its resolved config beside it."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    write_config(folder, stage, config)
+    path = folder / f"{stage}.json"
+    path.write_text(json.dumps(asdict(result), indent=2))
+    return path
+
+
+def rows_table(rows: list[tuple[str, str]]) -> str:
+    """Two aligned columns: the reports stages print."""
+    w = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
+
+
 def dtype_of(name: str) -> torch.dtype:
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if name not in dtypes:

@@ -21,7 +21,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from draftsmith.common import write_config
+from draftsmith.common import rows_table, write_result
 
 
 @dataclass(frozen=True)
@@ -143,10 +143,7 @@ def run(config: CostConfig) -> CostResult:
         mode=mode, source=source)
     print(table(result))
     if config.out:
-        out = Path(config.out)
-        out.mkdir(parents=True, exist_ok=True)
-        write_config(out, "cost", config)
-        (out / "cost.json").write_text(json.dumps(asdict(result), indent=2))
+        write_result(config.out, "cost", config, result)
     return result
 
 
@@ -166,5 +163,4 @@ def table(r: CostResult) -> str:
     if r.tau is not None:
         measured = f", measured {r.measured_speedup:.2f}x" if r.measured_speedup is not None else ""
         rows.append((f"at accept length {r.tau:.2f}", f"{r.predicted_speedup:.2f}x predicted{measured}"))
-    w = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
+    return rows_table(rows)
