@@ -1,6 +1,7 @@
-"""Accept length of lossless sampled speculation (T=1) by tree shape, on the CPU: which tree to
-verify at T=1, where the H200 bench's greedy-tuned tree (top-k 8, depth 6, 48 nodes) accepts far
-less than at T=0 (run 8: 2.23 vs 3.34, acceptance by depth 0.67, 0.40, 0.11, 0.03).
+"""Accept length of speculation by tree shape, on the CPU: which tree to verify at T=1, where the
+H200 bench's greedy-tuned tree (top-k 8, depth 6, 48 nodes) accepts far less than at T=0 (run 8:
+2.23 vs 3.34, acceptance by depth 0.67, 0.40, 0.11, 0.03); with --temperature 0, which greedy tree
+suits an engine whose verify cost steps with rows in tiles of 16 (the Triton kernels).
 
 Accept length only (fp32, one thread pool): a CPU's timings say nothing about the H200's cycle
 costs, so speed is left to the device bench. Every shape decodes the same prompts from the same seed.
@@ -21,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from draftsmith.bench import accept_by_position, device_name, git_commit, spread  # noqa: E402
 from draftsmith.data import load_eval, prompt_ids  # noqa: E402
-from draftsmith.decode import TreeSpec, decode_chain_sampled, decode_tree  # noqa: E402
+from draftsmith.decode import TreeSpec, decode_chain, decode_chain_sampled, decode_tree  # noqa: E402
 from draftsmith.export import load_any  # noqa: E402
 from draftsmith.target import load_target  # noqa: E402
 
@@ -51,7 +52,9 @@ def main():
         k, steps, nodes = (int(x) for x in shape.split("x"))
         gen, lengths, t = torch.Generator().manual_seed(a.seed), [], time.perf_counter()
         for x in prompts:
-            if k == 1 and nodes == steps:  # a chain: the sampled chain decoder (Leviathan acceptance)
+            if k == 1 and nodes == steps and a.temperature == 0:
+                out = decode_chain(model, drafter, x, a.max_new_tokens, steps, target.eos_ids)
+            elif k == 1 and nodes == steps:  # a chain: the sampled chain decoder (Leviathan acceptance)
                 out = decode_chain_sampled(model, drafter, x, a.max_new_tokens, steps, a.temperature, 1.0, target.eos_ids, gen)
             else:
                 out = decode_tree(model, drafter, x, a.max_new_tokens, TreeSpec(k, steps, nodes), target.eos_ids,
