@@ -32,9 +32,7 @@ def cycle_costs(sm: dict, mode: str) -> tuple[CycleCosts, float, float]:
     cycles = (r["tokens"] - sm["prompts"]) / r["tau_mean"]
     decode_s = r["tokens"] / r["decode_tok_s"]
     other = decode_s - r["draft_s"] - r["verify_s"]  # host work and bookkeeping, prefill excluded
-    costs = CycleCosts(step_ms=1e3 / plain["decode_tok_s"], verify_ms=1e3 * r["verify_s"] / cycles,
-                       draft_ms=1e3 * r["draft_s"] / cycles / STEPS[mode], draft_steps=STEPS[mode],
-                       overhead_ms=1e3 * max(other, 0.0) / cycles)
+    costs = CycleCosts.from_totals(1e3 / plain["decode_tok_s"], cycles, STEPS[mode], r["draft_s"], r["verify_s"], max(other, 0.0))
     return costs, r["tau_mean"], r["decode_tok_s"] / plain["decode_tok_s"]
 
 

@@ -59,6 +59,13 @@ class CycleCosts:
     draft_steps: int
     overhead_ms: float = 0.0
 
+    @classmethod
+    def from_totals(cls, step_ms: float, cycles: float, draft_steps: int, draft_s: float, verify_s: float,
+                    other_s: float) -> "CycleCosts":
+        """Per-cycle costs from a run's total seconds of drafting, verifying and the rest over `cycles` cycles."""
+        return cls(step_ms=step_ms, verify_ms=1e3 * verify_s / cycles, draft_ms=1e3 * draft_s / cycles / draft_steps,
+                   draft_steps=int(draft_steps), overhead_ms=1e3 * other_s / cycles)
+
     @property
     def cycle_ms(self) -> float:
         return self.draft_steps * self.draft_ms + self.verify_ms + self.overhead_ms
@@ -121,9 +128,7 @@ def costs_from_bench(path: str | Path, draft_steps: int | None = None) -> tuple[
     if not steps:
         raise ValueError(f"{path}: no bench_config.json beside it says how many drafter steps a cycle took; pass --draft-steps")
     cycles = sum(r["tau_hist"].values())
-    costs = CycleCosts(step_ms=1e3 / r["baseline_tok_s"], verify_ms=1e3 * r["verify_s"] / cycles,
-                       draft_ms=1e3 * r["draft_s"] / cycles / steps, draft_steps=int(steps),
-                       overhead_ms=1e3 * r["overhead_s"] / cycles)
+    costs = CycleCosts.from_totals(1e3 / r["baseline_tok_s"], cycles, steps, r["draft_s"], r["verify_s"], r["overhead_s"])
     return costs, {"mode": mode, "tau": r["tau_mean"], "speedup": r["speedup"], "cycles": cycles, "bench": str(path)}
 
 

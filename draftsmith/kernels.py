@@ -11,7 +11,8 @@ At batch 1 SmolLM2-135M's compiled decode step is ~560 kernels of ~2 us each on 
 
 Rows (query tokens) go in tiles of ROWS whatever their number, so a token gets the same arithmetic
 in a one-token step as in a 48-node tree verify: in fp32 speculative output equals plain output,
-as with the torch path. Intermediate results are rounded to the model's dtype where the torch
+as with the torch path. That needs tl.dot to give a row the same bits wherever it sits in its tile:
+true on CUDA (tested in fp32 and bf16), not under the interpreter where numpy's BLAS is not. Intermediate results are rounded to the model's dtype where the torch
 layer rounds them (matmul outputs, silu, the residual adds). Attention reads the slots up to the
 largest one being written: every mask the engine builds (causal, chain, tree) hides later ones.
 
@@ -108,12 +109,12 @@ def _qkv_rope_cache(x_ptr, nw_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, slot_ptr, q_p
         y1 = acc1.to(dt).to(tl.float32)
         y2 = acc2.to(dt).to(tl.float32)
     ok = rm < n_rows
-    rope = tl.load(cos_ptr + rm[:, None] * D + d1[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+    c1 = tl.load(cos_ptr + rm[:, None] * D + d1[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
     c2 = tl.load(cos_ptr + rm[:, None] * D + D // 2 + d1[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
     s1 = tl.load(sin_ptr + rm[:, None] * D + d1[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
     s2 = tl.load(sin_ptr + rm[:, None] * D + D // 2 + d1[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
     rotate = head < H + KV  # q and k heads; v heads pass through
-    o1 = tl.where(rotate, y1 * rope - y2 * s1, y1)
+    o1 = tl.where(rotate, y1 * c1 - y2 * s1, y1)
     o2 = tl.where(rotate, y2 * c2 + y1 * s2, y2)
     qa = q_ptr + (rm[:, None] * H + head) * D + d1[None, :]  # q buffer (T, H, D)
     slot = tl.load(slot_ptr + rm, mask=ok, other=0)
