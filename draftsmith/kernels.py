@@ -44,6 +44,7 @@ class Tuning:
     bk_max: int = 256  # reduction tile: K rounded up to a power of 2, at most this
     slots: int = 128  # attention: cache slots a step
     warps: int = 4
+    move_slots: bool = True  # Transformer.commit as one SlotMover launch instead of 4 torch kernels a layer
 
     def __post_init__(self):
         for name in ("bk_max", "slots"):
@@ -211,6 +212,48 @@ def _gate_up(x_ptr, nw_ptr, w_ptr, y_ptr, n_rows, eps, K: tl.constexpr, I: tl.co
     act = (g / (1.0 + tl.exp(-g))).to(dt)
     y = act * acc_u.to(dt)
     tl.store(y_ptr + rm[:, None] * I + rn[None, :], y, mask=(rm[:, None] < n_rows) & (rn[None, :] < I))
+
+
+@triton.jit
+def _move_slots(table_ptr, like_ptr, src_ptr, dst_ptr, n, S, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):
+    # program (buffer, kv head): slots src -> dst of one (1, KV, S, D) buffer whose address is table[buffer];
+    # every row is read before any is written, so a destination may be another row's source
+    base = tl.load(table_ptr + tl.program_id(0)).to(like_ptr.dtype)
+    head = tl.program_id(1)
+    r = tl.arange(0, BR)
+    ok = r < n
+    d = tl.arange(0, BD)
+    inside = ok[:, None] & (d[None, :] < D)
+    src = tl.load(src_ptr + r, mask=ok, other=0)
+    dst = tl.load(dst_ptr + r, mask=ok, other=0)
+    rows = tl.load(base + (head * S + src)[:, None] * D + d[None, :], mask=inside)
+    tl.store(base + (head * S + dst)[:, None] * D + d[None, :], rows, mask=inside)
+
+
+class SlotMover:
+    """Transformer.commit as one kernel launch: slots src -> dst in every layer's k and v cache, where
+    the torch path is a gather and a scatter a buffer (4 kernels a layer, 120 for SmolLM2, in every
+    tree cycle). The buffers' addresses go to the kernel as a table, rebuilt whenever they change
+    (new caches, .to()); build it outside CUDA-graph capture (Graphs warms a step up first)."""
+
+    def __init__(self):
+        self.ptrs: tuple[int, ...] = ()
+        self.table: torch.Tensor | None = None
+
+    @staticmethod
+    def covers(buffers: list[torch.Tensor], src: torch.Tensor) -> bool:
+        b = buffers[0]
+        return (b.dim() == 4 and b.shape[0] == 1 and src.dim() == 1 and 0 < len(src) <= MAX_T
+                and all(x.shape == b.shape and x.dtype == b.dtype and x.device == b.device and x.is_contiguous() for x in buffers))
+
+    def __call__(self, buffers: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor):
+        ptrs = tuple(b.data_ptr() for b in buffers)
+        if ptrs != self.ptrs:
+            self.table = torch.tensor(ptrs, dtype=torch.int64, device=buffers[0].device)
+            self.ptrs = ptrs
+        _, kv, S, D = buffers[0].shape
+        _move_slots[(len(buffers), kv)](self.table, buffers[0], src.contiguous(), dst.contiguous(), len(src), S, D=D,
+                                        BD=triton.next_power_of_2(D), BR=max(16, triton.next_power_of_2(len(src))))
 
 
 def supports(layer, x: torch.Tensor) -> bool:

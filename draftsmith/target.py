@@ -441,6 +441,7 @@ class Transformer(nn.Module):
                 del layer.fast
         if hasattr(self, "fast"):
             del self.fast
+        self.__dict__.pop("slot_mover", None)
         if compile_backend:
             self._compile(compile_backend, scope)
         if kernels == "triton":
@@ -449,6 +450,8 @@ class Transformer(nn.Module):
             tuning = tuning or triton_kernels.Tuning()
             for layer in self.layers:
                 layer.fast = _triton_layer(layer, getattr(layer, "fast", layer.forward), triton_kernels, tuning)
+            if tuning.move_slots:
+                self.slot_mover = triton_kernels.SlotMover()
         return self
 
     def _compile(self, compile_backend: str, scope: str):
@@ -469,9 +472,16 @@ class Transformer(nn.Module):
             layer.self_attn.kv_cache.keep_rows(rows)
 
     def commit(self, src: torch.Tensor, dst: torch.Tensor):
-        """Move cache slots src -> dst in every layer (tree verification keeps the accepted path)."""
-        for layer in self.layers:
-            layer.self_attn.kv_cache.move(src, dst)
+        """Move cache slots src -> dst in every layer (tree verification keeps the accepted path):
+        one kernel for all layers with kernels="triton" (kernels.SlotMover), else 4 torch ops a layer."""
+        caches = [layer.self_attn.kv_cache for layer in self.layers]
+        mover = self.__dict__.get("slot_mover")
+        if mover is not None:
+            buffers = [b for c in caches for b in (c.k, c.v)]
+            if mover.covers(buffers, src):
+                return mover(buffers, src, dst)
+        for cache in caches:
+            cache.move(src, dst)
 
 
 # --------------------------------------------------------------------------- loading

@@ -215,3 +215,50 @@ def test_bf16_kernels_fit_and_match_at_the_llama8b_layer_shape(T):
     assert kernel_err <= 2 * torch_err + 1e-3 * exact.abs().max(), (kernel_err, torch_err, exact.abs().max())
     torch.testing.assert_close(k.float(), kr.float(), atol=0.05, rtol=0.02)
     torch.testing.assert_close(v.float(), vr.float(), atol=0.05, rtol=0.02)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_one_launch_commit_moves_the_same_slots_as_the_torch_commit(dtype):
+    """kernels.SlotMover against KVCache.move in every layer: rows whose destination is another row's
+    source (the accepted path's slots overlap the tree's) and rows that copy a slot onto itself, as
+    verify_cycle's fixed-shape commit does; nothing else in any cache changes."""
+    model = kernel_target(layers=3).to(dtype)
+    model.setup_caches(1, S)
+    reference = kernel_target(layers=3).to(dtype)
+    reference.setup_caches(1, S)
+    g = torch.Generator().manual_seed(5)
+    for layer, ref in zip(model.layers, reference.layers):
+        for buf, rbuf in ((layer.self_attn.kv_cache.k, ref.self_attn.kv_cache.k), (layer.self_attn.kv_cache.v, ref.self_attn.kv_cache.v)):
+            buf.copy_(torch.randn(buf.shape, generator=g))
+            rbuf.copy_(buf)
+    model.optimize(kernels="triton")
+    assert model.slot_mover is not None
+    src, dst = torch.tensor([21, 23, 26, 24, 25]), torch.tensor([21, 22, 23, 24, 25])  # 23 is read and rewritten
+    model.commit(src, dst)
+    reference.commit(src, dst)
+    assert model.slot_mover.table is not None  # the kernel ran, not the torch fallback
+    for layer, ref in zip(model.layers, reference.layers):
+        assert torch.equal(layer.self_attn.kv_cache.k, ref.self_attn.kv_cache.k)
+        assert torch.equal(layer.self_attn.kv_cache.v, ref.self_attn.kv_cache.v)
+    model.setup_caches(2, S)
+    model.setup_caches(1, S)  # new buffers: the address table is rebuilt, not reused
+    old = model.slot_mover.table
+    cache = model.layers[2].self_attn.kv_cache
+    cache.v.normal_()
+    expect = cache.v[:, :, src].clone()
+    model.commit(src, dst)
+    assert model.slot_mover.table is not old and torch.equal(cache.v[:, :, dst], expect)
+
+
+def test_commit_outside_what_the_kernel_covers_takes_the_torch_path():
+    model = kernel_target(layers=2).optimize(kernels="triton")
+    model.setup_caches(2, S)  # batched caches: the kernel moves batch-1 buffers only
+    for layer in model.layers:
+        layer.self_attn.kv_cache.k.normal_()
+    before = model.layers[1].self_attn.kv_cache.k.clone()
+    model.commit(torch.tensor([9]), torch.tensor([4]))
+    assert model.slot_mover.table is None
+    assert torch.equal(model.layers[1].self_attn.kv_cache.k[:, :, 4], before[:, :, 9])
+    assert model.optimize().__dict__.get("slot_mover") is None  # re-optimised without the kernels: gone
+    no_mover = kernel_target(layers=1).optimize(kernels="triton", tuning=kernels.Tuning(move_slots=False))
+    assert no_mover.__dict__.get("slot_mover") is None
