@@ -11,7 +11,9 @@ At batch 1 SmolLM2-135M's compiled decode step is ~560 kernels of ~2 us each on 
 
 Rows (query tokens) go in tiles of ROWS whatever their number, so a token gets the same arithmetic
 in a one-token step as in a 48-node tree verify: in fp32 speculative output equals plain output,
-as with the torch path. That needs tl.dot to give a row the same bits wherever it sits in its tile:
+as with the torch path. A matmul program may compute up to four row tiles from one read of each
+weight tile (Tuning.row_tiles), each still its own ROWS-row dot. Tree verification's KV commit is
+one more kernel for all layers (SlotMover). That needs tl.dot to give a row the same bits wherever it sits in its tile:
 true on CUDA (tested in fp32 and bf16), not under the interpreter where numpy's BLAS is not. Intermediate results are rounded to the model's dtype where the torch
 layer rounds them (matmul outputs, silu, the residual adds). Attention reads the slots up to the
 largest one being written: every mask the engine builds (causal, chain, tree) hides later ones.
@@ -45,6 +47,10 @@ class Tuning:
     slots: int = 128  # attention: cache slots a step
     warps: int = 4
     move_slots: bool = True  # Transformer.commit as one SlotMover launch instead of 4 torch kernels a layer
+    # matmul programs: row tiles (of ROWS) each weight tile read serves, up to 4 (a 49-row tree is four
+    # tiles: at 1 each weight tile is read by four programs); output columns a program, 0: 16 or 32 by _block
+    row_tiles: int = 1
+    cols: int = 0
 
     def __post_init__(self):
         for name in ("bk_max", "slots"):
@@ -53,6 +59,10 @@ class Tuning:
                 raise ValueError(f"Tuning.{name} must be a power of 2 >= 16, got {v}")
         if self.warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"Tuning.warps must be 1, 2, 4, 8 or 16, got {self.warps}")
+        if self.row_tiles not in (1, 2, 3, 4):
+            raise ValueError(f"Tuning.row_tiles must be 1 to 4 (MAX_T / ROWS), got {self.row_tiles}")
+        if self.cols and (self.cols < 16 or self.cols & (self.cols - 1)):
+            raise ValueError(f"Tuning.cols must be 0 (automatic) or a power of 2 >= 16, got {self.cols}")
 
     def bk(self, k: int, itemsize: int = 2) -> int:
         return max(16, min(self.bk_max * 2 // max(itemsize, 2), triton.next_power_of_2(k)))
@@ -83,29 +93,13 @@ def _normed(x_ptr, nw_ptr, rm, rk, n_rows, rstd, K: tl.constexpr):
 
 
 @triton.jit
-def _qkv_rope_cache(x_ptr, nw_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, n_rows, S, eps,
-                    K: tl.constexpr, D: tl.constexpr, H: tl.constexpr, KV: tl.constexpr, BP: tl.constexpr,
-                    BK: tl.constexpr, BM: tl.constexpr, HAS_BIAS: tl.constexpr, PREC: tl.constexpr):
-    # program (head, pair block, row block); heads are q heads, then k heads, then v heads (qkv's rows).
-    # A program computes BP rotary pairs (d, d + D/2) of one head, so it can rotate them itself.
-    head = tl.program_id(0)
-    d1 = tl.program_id(1) * BP + tl.arange(0, BP)  # first halves; partners at d1 + D/2
-    rm = tl.program_id(2) * BM + tl.arange(0, BM)
-    rstd = _rstd(x_ptr, rm, n_rows, eps, K, BK, BM)
-    acc1 = tl.zeros([BM, BP], dtype=tl.float32)
-    acc2 = tl.zeros([BM, BP], dtype=tl.float32)
-    n1 = head * D + d1
-    for k0 in range(0, K, BK):
-        rk = k0 + tl.arange(0, BK)
-        a = _normed(x_ptr, nw_ptr, rm, rk, n_rows, rstd, K)
-        w1 = tl.load(w_ptr + n1[:, None] * K + rk[None, :], mask=rk[None, :] < K, other=0.0)
-        w2 = tl.load(w_ptr + (n1 + D // 2)[:, None] * K + rk[None, :], mask=rk[None, :] < K, other=0.0)
-        acc1 += tl.dot(a, tl.trans(w1), input_precision=PREC)
-        acc2 += tl.dot(a, tl.trans(w2), input_precision=PREC)
+def _qkv_out(acc1, acc2, rm, head, d1, b_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, n_rows, S,
+             D: tl.constexpr, H: tl.constexpr, KV: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """One row tile's epilogue: bias, rotary on q and k heads, q into its buffer, k or v into its cache slots."""
     dt = q_ptr.dtype.element_ty
     if HAS_BIAS:
-        y1 = (acc1.to(dt) + tl.load(b_ptr + n1)[None, :]).to(tl.float32)
-        y2 = (acc2.to(dt) + tl.load(b_ptr + n1 + D // 2)[None, :]).to(tl.float32)
+        y1 = (acc1.to(dt) + tl.load(b_ptr + head * D + d1)[None, :]).to(tl.float32)
+        y2 = (acc2.to(dt) + tl.load(b_ptr + head * D + d1 + D // 2)[None, :]).to(tl.float32)
     else:
         y1 = acc1.to(dt).to(tl.float32)
         y2 = acc2.to(dt).to(tl.float32)
@@ -130,6 +124,63 @@ def _qkv_rope_cache(x_ptr, nw_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, slot_ptr, q_p
         ca = ((head - H - KV) * S + slot)[:, None] * D + d1[None, :]
         tl.store(vc_ptr + ca, o1, mask=ok[:, None])
         tl.store(vc_ptr + ca + D // 2, o2, mask=ok[:, None])
+
+
+@triton.jit
+def _qkv_rope_cache(x_ptr, nw_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, n_rows, S, eps,
+                    K: tl.constexpr, D: tl.constexpr, H: tl.constexpr, KV: tl.constexpr, BP: tl.constexpr,
+                    BK: tl.constexpr, BM: tl.constexpr, NT: tl.constexpr, HAS_BIAS: tl.constexpr, PREC: tl.constexpr):
+    # program (head, pair block, NT row tiles); heads are q heads, then k heads, then v heads (qkv's rows).
+    # A program computes BP rotary pairs (d, d + D/2) of one head, so it can rotate them itself.
+    # Each weight tile it reads serves its NT row tiles (the _linear_residual comment).
+    head = tl.program_id(0)
+    d1 = tl.program_id(1) * BP + tl.arange(0, BP)  # first halves; partners at d1 + D/2
+    r0 = tl.program_id(2) * (NT * BM) + tl.arange(0, BM)
+    n1 = head * D + d1
+    rstd0 = _rstd(x_ptr, r0, n_rows, eps, K, BK, BM)
+    acc1_0 = tl.zeros([BM, BP], dtype=tl.float32)
+    acc2_0 = tl.zeros([BM, BP], dtype=tl.float32)
+    if NT > 1:
+        rstd1 = _rstd(x_ptr, r0 + BM, n_rows, eps, K, BK, BM)
+        acc1_1 = tl.zeros([BM, BP], dtype=tl.float32)
+        acc2_1 = tl.zeros([BM, BP], dtype=tl.float32)
+    if NT > 2:
+        rstd2 = _rstd(x_ptr, r0 + 2 * BM, n_rows, eps, K, BK, BM)
+        acc1_2 = tl.zeros([BM, BP], dtype=tl.float32)
+        acc2_2 = tl.zeros([BM, BP], dtype=tl.float32)
+    if NT > 3:
+        rstd3 = _rstd(x_ptr, r0 + 3 * BM, n_rows, eps, K, BK, BM)
+        acc1_3 = tl.zeros([BM, BP], dtype=tl.float32)
+        acc2_3 = tl.zeros([BM, BP], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        rk = k0 + tl.arange(0, BK)
+        w1 = tl.trans(tl.load(w_ptr + n1[:, None] * K + rk[None, :], mask=rk[None, :] < K, other=0.0))
+        w2 = tl.trans(tl.load(w_ptr + (n1 + D // 2)[:, None] * K + rk[None, :], mask=rk[None, :] < K, other=0.0))
+        a = _normed(x_ptr, nw_ptr, r0, rk, n_rows, rstd0, K)
+        acc1_0 += tl.dot(a, w1, input_precision=PREC)
+        acc2_0 += tl.dot(a, w2, input_precision=PREC)
+        if NT > 1:
+            a = _normed(x_ptr, nw_ptr, r0 + BM, rk, n_rows, rstd1, K)
+            acc1_1 += tl.dot(a, w1, input_precision=PREC)
+            acc2_1 += tl.dot(a, w2, input_precision=PREC)
+        if NT > 2:
+            a = _normed(x_ptr, nw_ptr, r0 + 2 * BM, rk, n_rows, rstd2, K)
+            acc1_2 += tl.dot(a, w1, input_precision=PREC)
+            acc2_2 += tl.dot(a, w2, input_precision=PREC)
+        if NT > 3:
+            a = _normed(x_ptr, nw_ptr, r0 + 3 * BM, rk, n_rows, rstd3, K)
+            acc1_3 += tl.dot(a, w1, input_precision=PREC)
+            acc2_3 += tl.dot(a, w2, input_precision=PREC)
+    _qkv_out(acc1_0, acc2_0, r0, head, d1, b_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, n_rows, S, D, H, KV, HAS_BIAS)
+    if NT > 1:
+        _qkv_out(acc1_1, acc2_1, r0 + BM, head, d1, b_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, n_rows, S, D, H, KV,
+                 HAS_BIAS)
+    if NT > 2:
+        _qkv_out(acc1_2, acc2_2, r0 + 2 * BM, head, d1, b_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, n_rows, S, D, H,
+                 KV, HAS_BIAS)
+    if NT > 3:
+        _qkv_out(acc1_3, acc2_3, r0 + 3 * BM, head, d1, b_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, n_rows, S, D, H,
+                 KV, HAS_BIAS)
 
 
 @triton.jit
@@ -172,46 +223,108 @@ def _attention(q_ptr, kc_ptr, vc_ptr, m_ptr, slot_ptr, o_ptr, n_rows, S, m_row, 
 
 
 @triton.jit
-def _linear_residual(a_ptr, w_ptr, r_ptr, y_ptr, n_rows, K: tl.constexpr, N: tl.constexpr, BN: tl.constexpr,
-                     BK: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr):
-    # y = r + a @ w^T, program (column block, row block)
-    rn = tl.program_id(0) * BN + tl.arange(0, BN)
-    rm = tl.program_id(1) * BM + tl.arange(0, BM)
-    ok = rm < n_rows
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        rk = k0 + tl.arange(0, BK)
-        a = tl.load(a_ptr + rm[:, None] * K + rk[None, :], mask=ok[:, None] & (rk[None, :] < K), other=0.0)
-        w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
-        acc += tl.dot(a, tl.trans(w), input_precision=PREC)
+def _rows(a_ptr, rm, rk, n_rows, K: tl.constexpr):
+    return tl.load(a_ptr + rm[:, None] * K + rk[None, :], mask=(rm[:, None] < n_rows) & (rk[None, :] < K), other=0.0)
+
+
+@triton.jit
+def _residual_out(acc, r_ptr, y_ptr, rm, rn, n_rows, N: tl.constexpr):
     at = rm[:, None] * N + rn[None, :]
-    inside = ok[:, None] & (rn[None, :] < N)
+    inside = (rm[:, None] < n_rows) & (rn[None, :] < N)
     r = tl.load(r_ptr + at, mask=inside, other=0.0)
     tl.store(y_ptr + at, r + acc.to(r.dtype), mask=inside)
 
 
 @triton.jit
-def _gate_up(x_ptr, nw_ptr, w_ptr, y_ptr, n_rows, eps, K: tl.constexpr, I: tl.constexpr, BN: tl.constexpr,
-             BK: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr):
-    # y = silu(norm(x) @ gate^T) * (norm(x) @ up^T); w is gate_up (2I, K): gate rows, then up rows
+def _linear_residual(a_ptr, w_ptr, r_ptr, y_ptr, n_rows, K: tl.constexpr, N: tl.constexpr, BN: tl.constexpr,
+                     BK: tl.constexpr, BM: tl.constexpr, NT: tl.constexpr, PREC: tl.constexpr):
+    # y = r + a @ w^T, program (column block, NT row tiles). A weight tile read once serves NT row tiles;
+    # each tile is its own BM-row dot, so a row's arithmetic does not depend on NT.
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
-    rm = tl.program_id(1) * BM + tl.arange(0, BM)
-    rstd = _rstd(x_ptr, rm, n_rows, eps, K, BK, BM)
-    acc_g = tl.zeros([BM, BN], dtype=tl.float32)
-    acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+    r0 = tl.program_id(1) * (NT * BM) + tl.arange(0, BM)
+    acc0 = tl.zeros([BM, BN], dtype=tl.float32)
+    if NT > 1:
+        acc1 = tl.zeros([BM, BN], dtype=tl.float32)
+    if NT > 2:
+        acc2 = tl.zeros([BM, BN], dtype=tl.float32)
+    if NT > 3:
+        acc3 = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, K, BK):
         rk = k0 + tl.arange(0, BK)
-        a = _normed(x_ptr, nw_ptr, rm, rk, n_rows, rstd, K)
-        inside = (rn[:, None] < I) & (rk[None, :] < K)
-        wg = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=inside, other=0.0)
-        wu = tl.load(w_ptr + (rn + I)[:, None] * K + rk[None, :], mask=inside, other=0.0)
-        acc_g += tl.dot(a, tl.trans(wg), input_precision=PREC)
-        acc_u += tl.dot(a, tl.trans(wu), input_precision=PREC)
+        w = tl.trans(tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0))
+        acc0 += tl.dot(_rows(a_ptr, r0, rk, n_rows, K), w, input_precision=PREC)
+        if NT > 1:
+            acc1 += tl.dot(_rows(a_ptr, r0 + BM, rk, n_rows, K), w, input_precision=PREC)
+        if NT > 2:
+            acc2 += tl.dot(_rows(a_ptr, r0 + 2 * BM, rk, n_rows, K), w, input_precision=PREC)
+        if NT > 3:
+            acc3 += tl.dot(_rows(a_ptr, r0 + 3 * BM, rk, n_rows, K), w, input_precision=PREC)
+    _residual_out(acc0, r_ptr, y_ptr, r0, rn, n_rows, N)
+    if NT > 1:
+        _residual_out(acc1, r_ptr, y_ptr, r0 + BM, rn, n_rows, N)
+    if NT > 2:
+        _residual_out(acc2, r_ptr, y_ptr, r0 + 2 * BM, rn, n_rows, N)
+    if NT > 3:
+        _residual_out(acc3, r_ptr, y_ptr, r0 + 3 * BM, rn, n_rows, N)
+
+
+@triton.jit
+def _silu_mul_out(acc_g, acc_u, y_ptr, rm, rn, n_rows, I: tl.constexpr):
     dt = y_ptr.dtype.element_ty
     g = acc_g.to(dt).to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(dt)
-    y = act * acc_u.to(dt)
-    tl.store(y_ptr + rm[:, None] * I + rn[None, :], y, mask=(rm[:, None] < n_rows) & (rn[None, :] < I))
+    tl.store(y_ptr + rm[:, None] * I + rn[None, :], act * acc_u.to(dt), mask=(rm[:, None] < n_rows) & (rn[None, :] < I))
+
+
+@triton.jit
+def _gate_up(x_ptr, nw_ptr, w_ptr, y_ptr, n_rows, eps, K: tl.constexpr, I: tl.constexpr, BN: tl.constexpr,
+             BK: tl.constexpr, BM: tl.constexpr, NT: tl.constexpr, PREC: tl.constexpr):
+    # y = silu(norm(x) @ gate^T) * (norm(x) @ up^T); w is gate_up (2I, K): gate rows, then up rows.
+    # Program (column block, NT row tiles), as _linear_residual.
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    r0 = tl.program_id(1) * (NT * BM) + tl.arange(0, BM)
+    rstd0 = _rstd(x_ptr, r0, n_rows, eps, K, BK, BM)
+    acc_g0 = tl.zeros([BM, BN], dtype=tl.float32)
+    acc_u0 = tl.zeros([BM, BN], dtype=tl.float32)
+    if NT > 1:
+        rstd1 = _rstd(x_ptr, r0 + BM, n_rows, eps, K, BK, BM)
+        acc_g1 = tl.zeros([BM, BN], dtype=tl.float32)
+        acc_u1 = tl.zeros([BM, BN], dtype=tl.float32)
+    if NT > 2:
+        rstd2 = _rstd(x_ptr, r0 + 2 * BM, n_rows, eps, K, BK, BM)
+        acc_g2 = tl.zeros([BM, BN], dtype=tl.float32)
+        acc_u2 = tl.zeros([BM, BN], dtype=tl.float32)
+    if NT > 3:
+        rstd3 = _rstd(x_ptr, r0 + 3 * BM, n_rows, eps, K, BK, BM)
+        acc_g3 = tl.zeros([BM, BN], dtype=tl.float32)
+        acc_u3 = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        rk = k0 + tl.arange(0, BK)
+        inside = (rn[:, None] < I) & (rk[None, :] < K)
+        wg = tl.trans(tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=inside, other=0.0))
+        wu = tl.trans(tl.load(w_ptr + (rn + I)[:, None] * K + rk[None, :], mask=inside, other=0.0))
+        a = _normed(x_ptr, nw_ptr, r0, rk, n_rows, rstd0, K)
+        acc_g0 += tl.dot(a, wg, input_precision=PREC)
+        acc_u0 += tl.dot(a, wu, input_precision=PREC)
+        if NT > 1:
+            a = _normed(x_ptr, nw_ptr, r0 + BM, rk, n_rows, rstd1, K)
+            acc_g1 += tl.dot(a, wg, input_precision=PREC)
+            acc_u1 += tl.dot(a, wu, input_precision=PREC)
+        if NT > 2:
+            a = _normed(x_ptr, nw_ptr, r0 + 2 * BM, rk, n_rows, rstd2, K)
+            acc_g2 += tl.dot(a, wg, input_precision=PREC)
+            acc_u2 += tl.dot(a, wu, input_precision=PREC)
+        if NT > 3:
+            a = _normed(x_ptr, nw_ptr, r0 + 3 * BM, rk, n_rows, rstd3, K)
+            acc_g3 += tl.dot(a, wg, input_precision=PREC)
+            acc_u3 += tl.dot(a, wu, input_precision=PREC)
+    _silu_mul_out(acc_g0, acc_u0, y_ptr, r0, rn, n_rows, I)
+    if NT > 1:
+        _silu_mul_out(acc_g1, acc_u1, y_ptr, r0 + BM, rn, n_rows, I)
+    if NT > 2:
+        _silu_mul_out(acc_g2, acc_u2, y_ptr, r0 + 2 * BM, rn, n_rows, I)
+    if NT > 3:
+        _silu_mul_out(acc_g3, acc_u3, y_ptr, r0 + 3 * BM, rn, n_rows, I)
 
 
 @triton.jit
@@ -281,7 +394,9 @@ def layer_forward(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     S, I = cache.k.shape[2], mlp.down_proj.weight.shape[1]
     x2 = x.reshape(T, Hd).contiguous()
     cos, sin = cos.reshape(-1, D)[-T:].contiguous(), sin.reshape(-1, D)[-T:].contiguous()  # (T, D)
-    rows = triton.cdiv(T, ROWS)
+    tiles = triton.cdiv(T, ROWS)
+    nt = min(tuning.row_tiles, tiles)  # row tiles a program
+    rows = triton.cdiv(tiles, nt)  # programs along the rows
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
     size, nw = x.element_size(), tuning.warps
     bk = tuning.bk(Hd, size)
@@ -290,7 +405,7 @@ def layer_forward(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     bp = 16
     _qkv_rope_cache[(h + 2 * kv, D // 2 // bp, rows)](
         x2, layer.input_layernorm.weight, attn.qkv.weight, bias if bias is not None else x2, cos, sin, input_pos, q,
-        cache.k, cache.v, T, S, layer.input_layernorm.eps, K=Hd, D=D, H=h, KV=kv, BP=bp, BK=bk, BM=ROWS,
+        cache.k, cache.v, T, S, layer.input_layernorm.eps, K=Hd, D=D, H=h, KV=kv, BP=bp, BK=bk, BM=ROWS, NT=nt,
         HAS_BIAS=bias is not None, PREC=prec, num_warps=nw)
     o = torch.empty(T, h * D, dtype=x.dtype, device=x.device)
     m = mask[0, 0]  # (T, S)
@@ -298,15 +413,15 @@ def layer_forward(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
         q, cache.k, cache.v, m, input_pos, o, T, S, m.stride(0), m.stride(1), D**-0.5, H=h, KV=kv, D=D,
         BS=tuning.slots_for(size), BM=ROWS, TMAX=MAX_T, PREC=prec, num_warps=nw)
     h1 = torch.empty_like(x2)
-    bn = _block(Hd)
+    bn = tuning.cols or _block(Hd)
     _linear_residual[(triton.cdiv(Hd, bn), rows)](o, attn.o_proj.weight, x2, h1, T, K=h * D, N=Hd, BN=bn, BK=tuning.bk(h * D, size),
-                                                   BM=ROWS, PREC=prec, num_warps=nw)
+                                                   BM=ROWS, NT=nt, PREC=prec, num_warps=nw)
     a = torch.empty(T, I, dtype=x.dtype, device=x.device)
-    bi = _block(I)
+    bi = tuning.cols or _block(I)
     post = layer.post_attention_layernorm
     _gate_up[(triton.cdiv(I, bi), rows)](h1, post.weight, mlp.gate_up.weight, a, T, post.eps, K=Hd, I=I, BN=bi, BK=bk,
-                                         BM=ROWS, PREC=prec, num_warps=nw)
+                                         BM=ROWS, NT=nt, PREC=prec, num_warps=nw)
     out = torch.empty_like(x2)
     _linear_residual[(triton.cdiv(Hd, bn), rows)](a, mlp.down_proj.weight, h1, out, T, K=I, N=Hd, BN=bn, BK=tuning.bk(I, size),
-                                                   BM=ROWS, PREC=prec, num_warps=nw)
+                                                   BM=ROWS, NT=nt, PREC=prec, num_warps=nw)
     return out.view(1, T, Hd)

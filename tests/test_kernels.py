@@ -41,11 +41,24 @@ def run_both(layer, x, cos, sin, pos, mask, tuning=kernels.Tuning()):
 
 # the default tiles take one step over this tiny model's rows and cache; small tiles take several
 # (the reduction loops and the attention's running softmax across slot blocks)
-TUNINGS = {"default": kernels.Tuning(), "small-tiles": kernels.Tuning(bk_max=16, slots=16, warps=2)}
+# (the reduction loops and the attention's running softmax across slot blocks); row tiles: programs that
+# compute several row tiles from one weight read, which only a pass of more than 16 rows ("tree40") has
+TUNINGS = {"default": kernels.Tuning(), "small-tiles": kernels.Tuning(bk_max=16, slots=16, warps=2),
+           "row-tiles": kernels.Tuning(row_tiles=4), "3-row-tiles-cols32": kernels.Tuning(bk_max=32, slots=32, row_tiles=3, cols=32)}
+
+
+def random_tree_mask(T: int, p0: int, g: torch.Generator):
+    """A T-node tree under a root at slot p0 (node i's parent drawn from 0..i-1): its tree_mask and rotary positions."""
+    anc, depth = torch.eye(T, dtype=torch.bool), [0]
+    for node in range(1, T):
+        parent = int(torch.randint(0, node, (1,), generator=g))
+        anc[node] |= anc[parent]
+        depth.append(depth[parent] + 1)
+    return tree_mask(anc, torch.tensor(p0), S), (p0 + torch.tensor(depth))[None]
 
 
 @pytest.mark.parametrize("tuning", TUNINGS.values(), ids=TUNINGS.keys())
-@pytest.mark.parametrize("case", ["decode", "verify", "tree"])
+@pytest.mark.parametrize("case", ["decode", "verify", "tree", "tree40"])
 def test_layer_matches_the_torch_layer_and_writes_the_same_cache(case, tuning):
     model = kernel_target().optimize()
     layer = model.layers[1]
@@ -53,7 +66,7 @@ def test_layer_matches_the_torch_layer_and_writes_the_same_cache(case, tuning):
     g = torch.Generator().manual_seed(0)
     for buf in (layer.self_attn.kv_cache.k, layer.self_attn.kv_cache.v):
         buf.copy_(torch.randn(buf.shape, generator=g))  # a prefix (and stale slots past it) to attend over
-    T, p0 = {"decode": (1, 20), "verify": (5, 30), "tree": (6, 40)}[case]
+    T, p0 = {"decode": (1, 20), "verify": (5, 30), "tree": (6, 40), "tree40": (40, 20)}[case]
     pos = torch.arange(p0, p0 + T)
     rope = pos[None]
     mask = causal_mask(pos, S)
@@ -63,6 +76,8 @@ def test_layer_matches_the_torch_layer_and_writes_the_same_cache(case, tuning):
             anc[node] |= anc[parent]
         mask = tree_mask(anc, torch.tensor(p0), S)
         rope = (p0 + torch.tensor([0, 1, 1, 2, 2, 3]))[None]
+    if case == "tree40":  # three row tiles
+        mask, rope = random_tree_mask(T, p0, g)
     x = torch.randn(1, T, 64, generator=g)
     cos, sin = model.rotary(rope, x.dtype)
     ref, (kr, vr), out, (k, v) = run_both(layer, x, cos, sin, pos, mask, tuning)
@@ -114,6 +129,33 @@ def test_a_token_gets_the_same_bits_alone_as_in_a_verify_pass(device, dtype):
         one = kernels.layer_forward(layer, x[:, t : t + 1], cos[:, t : t + 1], sin[:, t : t + 1], pos[t : t + 1],
                                     causal_mask(pos[t : t + 1], S))
         assert torch.equal(one[0, 0], many[0, t])
+
+
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA: the cuda case")),
+                                    DEVICES[1]])
+def test_a_row_gets_the_same_bits_however_many_row_tiles_a_program_computes(device):
+    """Tuning.row_tiles changes which program computes a row tile, not the tile's arithmetic: a 49-row
+    tree pass (four tiles) gives the same bits at 1, 2, 3 and 4 tiles a program, cache writes included."""
+    model = kernel_target().to(device).optimize()
+    layer = model.layers[0]
+    g = torch.Generator().manual_seed(6)
+    cache = layer.self_attn.kv_cache
+    for buf in (cache.k, cache.v):
+        buf.copy_(torch.randn(buf.shape, generator=g))
+    start = cache.k.clone(), cache.v.clone()
+    T, p0 = 49, 12
+    mask, rope = random_tree_mask(T, p0, g)
+    x = torch.randn(1, T, 64, generator=g).to(device)
+    pos = torch.arange(p0, p0 + T, device=device)
+    cos, sin = model.rotary(rope.to(device), x.dtype)
+    results = []
+    for row_tiles in (1, 2, 3, 4):
+        cache.k.copy_(start[0])
+        cache.v.copy_(start[1])
+        out = kernels.layer_forward(layer, x, cos, sin, pos, mask.to(device), kernels.Tuning(row_tiles=row_tiles))
+        results.append((out, cache.k.clone(), cache.v.clone()))
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
 
 
 def test_speculative_decoding_on_the_kernels_equals_plain_greedy():
