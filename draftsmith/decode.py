@@ -800,43 +800,44 @@ def verify_sampled(model: Transformer, drafter: Eagle3Drafter, spec: TreeSpec, t
     uniforms the caller drew (u_nodes (N+1,), u_vocab (V,)); acceptance by accept_sampled_on_device."""
     D, K = min(spec.steps, spec.nodes), spec.topk
 
-    def walk(logits, tree, rank, exists, qrow, q, u_nodes, u_vocab):
-        p = probs(logits, temperature, top_p)  # (N+1, V)
+    def accept(hidden, tree, anc, rank, exists, qrow, q, u_nodes, u_vocab):
+        p = probs(model.logits(hidden), temperature, top_p)  # (N+1, V)
         draft_ids = drafter.to_target(torch.arange(q.shape[-1], device=q.device))
         return accept_sampled_on_device(p, tree, rank, exists, qrow, q, draft_ids, u_nodes, u_vocab, D, K)
-    # compiled like the drafting steps (Eagle3Drafter.optimize): the walk's (D+1) x K sibling tries are
-    # ~10 vocab-sized elementwise ops each, which fuse into few kernels
-    walk = drafter.compiled(walk)
-
-    def accept(hidden, tree, anc, rank, exists, qrow, q, u_nodes, u_vocab):
-        return walk(model.logits(hidden), tree, rank, exists, qrow, q, u_nodes, u_vocab)
     return verify_cycle(model, drafter, spec, accept)
 
 
 def verify_cycle(model: Transformer, drafter: Eagle3Drafter, spec: TreeSpec, accept):
     """The target's pass over [pending, tree], acceptance, KV commit and drafter catch-up as one
-    fixed-shape step. accept(hidden (N+1, H), tree, anc, *extra) -> (n (1,), rows (D+1,), bonus (1,))."""
+    fixed-shape step. accept(hidden (N+1, H), tree, anc, *extra) -> (n (1,), rows (D+1,), bonus (1,)).
+    What follows the target's pass but the commit (acceptance, with the logits, and the catch-up) is
+    compiled like the drafting steps (Eagle3Drafter.optimize): eager, it is ~100 small kernels a cycle."""
     D, capture = min(spec.steps, spec.nodes), drafter.cfg.aux_layer_ids
 
+    def after(hidden, aux, seq, tokens, parents, depth, anc, pos, *extra):
+        n, rows, bonus = accept(hidden, DraftTree(tokens, parents, depth), anc, *extra)
+        new = torch.cat([seq[rows[1:]], bonus]).scatter(0, n, bonus)  # (D+1,) path tokens, bonus at n, junk after
+        # Drafter catch-up, D+1 rows whatever n is: row j reads (features of the node at depth j, the
+        # token after it) at drafter slot pos+j. Rows past n write slots pos+n+1..pos+D, which come
+        # after the next cycle's prefix: hidden from its drafting (tree_mask) and rewritten by its
+        # catch-up before anything reads them; causal, the rows up to n never see them.
+        h = drafter(new[None], drafter.fuse(aux[:, rows]), pos + torch.arange(D + 1, device=pos.device))  # (1, D+1, H)
+        return n, rows, bonus, new, h[:, n]
+    after = drafter.compiled(after)
+
     def verify(pending, tokens, parents, depth, pos, *extra):
-        dev, tree = tokens.device, DraftTree(tokens, parents, depth)
+        dev = tokens.device
         seq = torch.cat([pending, tokens])  # (N+1,) the pending token is the root
         anc = ancestors(parents, D)  # (N+1, N+1)
         rope = pos + torch.cat([depth.new_zeros(1), depth])  # a node's position is its depth after pending
         out = model(seq[None], pos + torch.arange(len(seq), device=dev), tree_mask(anc, pos, model.max_len), rope[None],
                     capture=capture)
-        n, rows, bonus = accept(out.hidden[0], tree, anc, *extra)
-        new = torch.cat([seq[rows[1:]], bonus]).scatter(0, n, bonus)  # (D+1,) path tokens, bonus at n, junk after
+        n, rows, bonus, new, h = after(out.hidden[0], out.aux, seq, tokens, parents, depth, anc, pos, *extra)
         # The accepted path's KV to slots pos+1..pos+n. The copy has D rows whatever n is: rows past the
         # path copy a slot onto itself, and those slots (> pos+n) are scratch the next verify rewrites.
         dst = pos + 1 + torch.arange(D, device=dev)  # (D,)
         model.commit(torch.where(dst <= pos + n, pos + rows[1:], dst), dst)
-        # Drafter catch-up, D+1 rows whatever n is: row j reads (features of the node at depth j, the
-        # token after it) at drafter slot pos+j. Rows past n write slots pos+n+1..pos+D, which come
-        # after the next cycle's prefix: hidden from its drafting (tree_mask) and rewritten by its
-        # catch-up before anything reads them; causal, the rows up to n never see them.
-        h = drafter(new[None], drafter.fuse(out.aux[:, rows]), pos + torch.arange(D + 1, device=dev))  # (1, D+1, H)
-        return torch.cat([n, new]), h[:, n], bonus, pos + n + 1
+        return torch.cat([n, new]), h, bonus, pos + n + 1
     return verify
 
 
