@@ -341,7 +341,7 @@ def kernel_profile(run, top_n: int = 40) -> dict:
 
 
 ENGINE_VARIANTS = ("graphs", "compiled", "compiled_model", "compiled_model_cdt", "compiled_sdpa", "compiled_autotune", "triton",
-                   "triton_sweep")
+                   "triton_sweep", "triton_rt2", "triton_rt4")
 
 
 def optimize_for(model: Transformer, variant: str):
@@ -356,6 +356,9 @@ def optimize_for(model: Transformer, variant: str):
         model.optimize("inductor")
     elif variant == "triton":  # batch-1 short queries as five Triton kernels a layer (kernels.py), compiled layers otherwise
         model.optimize("inductor", kernels="triton")
+    elif variant.startswith("triton_rt"):  # a matmul program computes up to N row tiles from one weight read (trees)
+        from draftsmith.kernels import Tuning
+        model.optimize("inductor", kernels="triton", tuning=Tuning(row_tiles=int(variant[len("triton_rt"):])))
     elif variant == "triton_sweep":  # the same, with the Tuning whose captured one-token step was fastest
         model.optimize("inductor", kernels="triton", tuning=sweep_tunings(model))
     elif variant == "compiled_sdpa":  # compiled layers, short queries through SDPA as well

@@ -1,10 +1,19 @@
-"""Cost of one greedy tree cycle on CUDA: SmolLM2-135M's shape with random weights (bf16, fused,
-CUDA graphs), the device-resident decode_tree against the host-driven loop (tree_loop) and plain
-decoding. Fixed shapes make a device cycle cost the same whatever is accepted, so speedup ~=
-accept_length * plain_ms / cycle_ms for a trained drafter.
+"""Cost of one greedy tree cycle on CUDA, engine by engine: SmolLM2-135M's shape with random weights
+(bf16, CUDA graphs) and a random drafter of the matching shape (compiled as bench compiles it). Fixed
+shapes make a device cycle cost the same whatever is accepted, so for a trained drafter
+speedup ~= accept_length * plain_ms / cycle_ms (what `draftsmith cost` computes).
 
-    python benchmarks/tree_cycle.py [--compile] [--topk 4 --steps 5 --tokens 16]
-The last stdout line is one JSON document.
+For each variant: the target pass by rows (one token to a 49-row tree), plain decoding's ms a token,
+and the device-resident tree cycle split into draft and verify on the device timeline; the host-driven
+loop (tree_loop) too with --host-loop. Variants:
+  compiled             inductor-compiled layers (bench --engine compiled)
+  triton_torch_commit  Triton layers, the KV commit as 4 torch ops a layer (Tuning(move_slots=False))
+  triton               Triton layers with the default Tuning (one-launch commit, kernels.SlotMover)
+  triton_rt2/3/4       the same with Tuning(row_tiles=2/3/4): a 49-row pass reads each weight tile once
+  triton_cols32/64     Tuning(cols=...) (columns a matmul program)
+
+    python benchmarks/tree_cycle.py --variants compiled,triton_torch_commit,triton,triton_rt4 --out $OUT/tree-cycle.json
+The last stdout line is one JSON document (also written to --out).
 """
 
 import argparse
@@ -18,50 +27,88 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from draftsmith.bench import git_commit  # noqa: E402
 from draftsmith.cudagraph import Graphs  # noqa: E402
 from draftsmith.decode import TreeSpec, decode_plain, decode_tree, tree_loop  # noqa: E402
 from draftsmith.draft import DraftConfig, Eagle3Drafter  # noqa: E402
-from h200_run import SMOLLM2, random_model  # noqa: E402
+from draftsmith.kernels import Tuning  # noqa: E402
+from h200_run import SMOLLM2, random_model, step_times  # noqa: E402
+
+TUNINGS = {"triton": Tuning(), "triton_torch_commit": Tuning(move_slots=False), "triton_rt2": Tuning(row_tiles=2),
+           "triton_rt3": Tuning(row_tiles=3), "triton_rt4": Tuning(row_tiles=4), "triton_cols32": Tuning(cols=32),
+           "triton_cols64": Tuning(cols=64), "triton_rt4_cols32": Tuning(row_tiles=4, cols=32)}
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--compile", action="store_true", help="optimize('inductor', scope='model') the target")
-    ap.add_argument("--topk", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--tokens", type=int, default=16)
-    ap.add_argument("--max-new", type=int, default=256)
-    a = ap.parse_args()
-    torch.manual_seed(0)
-    model = random_model(SMOLLM2)
-    if a.compile:
-        model.optimize("inductor", scope="model")
+def optimize(model, variant: str):
+    if variant == "compiled":
+        model.optimize("inductor")
+    elif variant in TUNINGS:
+        model.optimize("inductor", kernels="triton", tuning=TUNINGS[variant])
     else:
-        model.optimize()
-    drafter = Eagle3Drafter(DraftConfig.from_target(SMOLLM2, 32000)).cuda().to(torch.bfloat16).eval()
-    with torch.no_grad():
-        for p in drafter.parameters():
-            p.normal_(0, 0.02)
-    model.setup_caches(1, 2048)
-    drafter.setup_caches(1, 2048)
-    spec, graphs = TreeSpec(a.topk, a.steps, a.tokens), Graphs(True)
+        raise SystemExit(f"unknown variant {variant!r}: compiled or one of {sorted(TUNINGS)}")
+
+
+def measure(model, drafter, spec: TreeSpec, max_new: int, rows, host_loop: bool) -> dict:
+    graphs = Graphs(True)
     x = torch.randint(0, 1000, (1, 128), device="cuda")
-    runs = {"plain": lambda: decode_plain(model, x, a.max_new, (), graphs),
-            "tree_device": lambda: decode_tree(model, drafter, x, a.max_new, spec, (), graphs),
-            "tree_host": lambda: tree_loop(model, drafter, x, a.max_new, spec, (), graphs)}
-    res = {"spec": [a.topk, a.steps, a.tokens], "compile": a.compile, "device": torch.cuda.get_device_name()}
+    res = step_times(model, torch.tensor([300], device="cuda"), rows, graphs)
+    runs = {"plain": lambda: decode_plain(model, x, max_new, (), graphs),
+            "tree_device": lambda: decode_tree(model, drafter, x, max_new, spec, (), graphs)}
+    if host_loop:
+        runs["tree_host"] = lambda: tree_loop(model, drafter, x, max_new, spec, (), graphs)
     for name, run in runs.items():
         t = time.perf_counter()
         run()  # compilation and capture
         res[name + "_warmup_s"] = round(time.perf_counter() - t, 1)
         gen = min((run() for _ in range(3)), key=lambda g: g.seconds)
         cycles = max(len(gen.accept_lengths), 1)
-        res[name] = {"tokens": len(gen.tokens), "ms_per_token": round(1e3 * (gen.seconds - gen.prefill_seconds) / len(gen.tokens), 3)}
+        r = {"tokens": len(gen.tokens), "ms_per_token": round(1e3 * (gen.seconds - gen.prefill_seconds) / len(gen.tokens), 4)}
         if gen.accept_lengths:
-            res[name].update(cycles=cycles, tau=round(sum(gen.accept_lengths) / cycles, 3),
-                             cycle_ms=round(1e3 * (gen.seconds - gen.prefill_seconds) / cycles, 3),
-                             draft_ms=round(1e3 * gen.draft_seconds / cycles, 3), verify_ms=round(1e3 * gen.verify_seconds / cycles, 3))
-        print(name, res[name], flush=True)
+            r.update(cycles=cycles, tau=round(sum(gen.accept_lengths) / cycles, 3),
+                     cycle_ms=round(1e3 * (gen.seconds - gen.prefill_seconds) / cycles, 4),
+                     draft_ms=round(1e3 * gen.draft_seconds / cycles, 4), verify_ms=round(1e3 * gen.verify_seconds / cycles, 4))
+        res[name] = r
+    res["tree_cycle_over_step"] = round(res["tree_device"]["cycle_ms"] / res["plain"]["ms_per_token"], 3)
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--variants", default="compiled,triton_torch_commit,triton,triton_rt2,triton_rt4")
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--max-new", type=int, default=256)
+    ap.add_argument("--rows", default="1,8,16,17,32,49,64", help="target pass sizes to time")
+    ap.add_argument("--host-loop", action="store_true", help="also time the host-driven loop (tree_loop)")
+    ap.add_argument("--out", help="also write the JSON here")
+    a = ap.parse_args()
+    torch.manual_seed(0)
+    model = random_model(SMOLLM2)
+    drafter = Eagle3Drafter(DraftConfig.from_target(SMOLLM2, 32000)).cuda().to(torch.bfloat16).eval()
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.normal_(0, 0.02)
+    drafter.optimize("inductor")  # as bench: the drafting steps and the verify cycle's acceptance and catch-up compiled
+    model.setup_caches(1, 1024)
+    drafter.setup_caches(1, 1024)
+    spec = TreeSpec(a.topk, a.steps, a.tokens)
+    rows = tuple(int(n) for n in a.rows.split(","))
+    res = {"command": "python " + " ".join(sys.argv), "commit": git_commit(), "device": torch.cuda.get_device_name(),
+           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "spec": [a.topk, a.steps, a.tokens],
+           "torch": torch.__version__}
+    for variant in a.variants.split(","):
+        t = time.perf_counter()
+        try:
+            optimize(model, variant)
+            with torch.no_grad():
+                res[variant] = measure(model, drafter, spec, a.max_new, rows, a.host_loop)
+        except Exception as e:  # noqa: BLE001 - recorded; the next variant still runs
+            res[variant] = {"error": repr(e)[:500]}
+        res[variant]["setup_and_measure_s"] = round(time.perf_counter() - t, 1)
+        print(variant, json.dumps(res[variant]), flush=True)
+        if a.out:
+            Path(a.out).write_text(json.dumps(res, indent=1))
     print(json.dumps(res))
 
 
