@@ -369,10 +369,25 @@ def optimize_for(model: Transformer, variant: str):
         model.optimize("inductor", scope="model")
 
 
+SWEEP = {"bk_max": (64, 256, 1024), "slots": (128, 256), "warps": (4, 8)}  # --sweep: the grid triton_sweep tries
+
+
+def parse_sweep(text: str) -> dict[str, tuple[int, ...]]:
+    """'bk_max=64,256;cols=0,16' -> {"bk_max": (64, 256), "cols": (0, 16)}: kernels.Tuning fields and their values."""
+    from draftsmith.kernels import Tuning
+    grid = {}
+    for part in filter(None, text.split(";")):
+        name, _, values = part.partition("=")
+        if name not in Tuning.__dataclass_fields__ or not values:
+            raise SystemExit(f"--sweep: {part!r} is not field=v1,v2 with a kernels.Tuning field ({', '.join(Tuning.__dataclass_fields__)})")
+        grid[name] = tuple(int(v) for v in values.split(","))
+    return grid
+
+
 def sweep_tunings(model: Transformer) -> "Tuning":
-    """Times a captured 1- and 8-token step for each kernels.Tuning in a grid (tile widths, attention
-    slots a step, warps), checks each against the unoptimised model's hidden states, prints and keeps
-    the table (model.tuning_sweep) and returns the fastest correct one."""
+    """Times a captured 1- and 8-token step for each kernels.Tuning in the SWEEP grid (tile widths,
+    attention slots a step, warps, ...), checks each against the unoptimised model's hidden states,
+    prints and keeps the table (model.tuning_sweep) and returns the fastest correct one."""
     from draftsmith.kernels import Tuning
     x = torch.randint(0, model.args.vocab_size, (1, 128), device="cuda")
     pos = torch.tensor([300], device="cuda")
@@ -381,9 +396,10 @@ def sweep_tunings(model: Transformer) -> "Tuning":
         layer.__dict__.pop("fast", None)
     reference = fixed_steps(model, x)
     table, best = {}, None
-    for bk_max, slots, warps in itertools.product((64, 256, 1024), (128, 256), (4, 8)):
-        t = Tuning(bk_max, slots, warps)
-        name = f"bk{bk_max}_s{slots}_w{warps}"
+    for values in itertools.product(*SWEEP.values()):
+        fields = dict(zip(SWEEP, values))
+        t = Tuning(**fields)
+        name = "_".join(f"{k}{v}" for k, v in fields.items())
         try:
             model.optimize("inductor", kernels="triton", tuning=t)
             err = max(hidden_errors(model, x, reference).values())
@@ -676,6 +692,8 @@ def main():
                     " variants, in order (graphs,compiled: the default engine and its uncompiled base)")
     ap.add_argument("--rows", type=lambda v: tuple(int(n) for n in v.split(",")), default=(1, 8),
                     help="engine: pass sizes to time besides 1 and 8, e.g. 16,17,32,49,64 (a tree's verify rows)")
+    ap.add_argument("--sweep", help="triton_sweep's grid as kernels.Tuning fields, e.g. 'bk_max=256;cols=0,16,64;stages=0,4'"
+                    f" (default {';'.join(k + '=' + ','.join(map(str, v)) for k, v in SWEEP.items())})")
     ap.add_argument("--sections", default=",".join(["smollm2_shape", "llama8b_shape", *TTT_PATHS]), help="engine: which sections, in order")
     ap.add_argument("--compile-drafter", action=argparse.BooleanOptionalAction, default=True,
                     help="bench: compile the drafter's drafting steps (Eagle3Drafter.optimize)")
@@ -731,6 +749,9 @@ def main():
     ap.add_argument("--tree-steps", type=int, default=6)
     ap.add_argument("--tree-tokens", type=int, default=48)
     a = ap.parse_args()
+    if a.sweep:
+        SWEEP.clear()
+        SWEEP.update(parse_sweep(a.sweep))
     Path(a.out).mkdir(parents=True, exist_ok=True)
     RUN.mkdir(parents=True, exist_ok=True)
     if a.phase in ("train", "both"):

@@ -51,6 +51,7 @@ class Tuning:
     # tiles: at 1 each weight tile is read by four programs); output columns a program, 0: 16 or 32 by _block
     row_tiles: int = 1
     cols: int = 0
+    stages: int = 0  # the matmul kernels' software-pipelining depth (num_stages); 0: Triton's default
 
     def __post_init__(self):
         for name in ("bk_max", "slots"):
@@ -63,6 +64,8 @@ class Tuning:
             raise ValueError(f"Tuning.row_tiles must be 1 to 4 (MAX_T / ROWS), got {self.row_tiles}")
         if self.cols and (self.cols < 16 or self.cols & (self.cols - 1)):
             raise ValueError(f"Tuning.cols must be 0 (automatic) or a power of 2 >= 16, got {self.cols}")
+        if not 0 <= self.stages <= 8:
+            raise ValueError(f"Tuning.stages must be 0 (Triton's default) to 8, got {self.stages}")
 
     def bk(self, k: int, itemsize: int = 2) -> int:
         return max(16, min(self.bk_max * 2 // max(itemsize, 2), triton.next_power_of_2(k)))
@@ -399,6 +402,7 @@ def layer_forward(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     rows = triton.cdiv(tiles, nt)  # programs along the rows
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
     size, nw = x.element_size(), tuning.warps
+    staged = {"num_stages": tuning.stages} if tuning.stages else {}  # the matmul kernels'
     bk = tuning.bk(Hd, size)
     bias = attn.qkv.bias
     q = torch.empty(T, h, D, dtype=x.dtype, device=x.device)
@@ -406,7 +410,7 @@ def layer_forward(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     _qkv_rope_cache[(h + 2 * kv, D // 2 // bp, rows)](
         x2, layer.input_layernorm.weight, attn.qkv.weight, bias if bias is not None else x2, cos, sin, input_pos, q,
         cache.k, cache.v, T, S, layer.input_layernorm.eps, K=Hd, D=D, H=h, KV=kv, BP=bp, BK=bk, BM=ROWS, NT=nt,
-        HAS_BIAS=bias is not None, PREC=prec, num_warps=nw)
+        HAS_BIAS=bias is not None, PREC=prec, num_warps=nw, **staged)
     o = torch.empty(T, h * D, dtype=x.dtype, device=x.device)
     m = mask[0, 0]  # (T, S)
     _attention[(kv, triton.cdiv(T * (h // kv), ROWS))](
@@ -415,13 +419,13 @@ def layer_forward(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     h1 = torch.empty_like(x2)
     bn = tuning.cols or _block(Hd)
     _linear_residual[(triton.cdiv(Hd, bn), rows)](o, attn.o_proj.weight, x2, h1, T, K=h * D, N=Hd, BN=bn, BK=tuning.bk(h * D, size),
-                                                   BM=ROWS, NT=nt, PREC=prec, num_warps=nw)
+                                                   BM=ROWS, NT=nt, PREC=prec, num_warps=nw, **staged)
     a = torch.empty(T, I, dtype=x.dtype, device=x.device)
     bi = tuning.cols or _block(I)
     post = layer.post_attention_layernorm
     _gate_up[(triton.cdiv(I, bi), rows)](h1, post.weight, mlp.gate_up.weight, a, T, post.eps, K=Hd, I=I, BN=bi, BK=bk,
-                                         BM=ROWS, NT=nt, PREC=prec, num_warps=nw)
+                                         BM=ROWS, NT=nt, PREC=prec, num_warps=nw, **staged)
     out = torch.empty_like(x2)
     _linear_residual[(triton.cdiv(Hd, bn), rows)](a, mlp.down_proj.weight, h1, out, T, K=I, N=Hd, BN=bn, BK=tuning.bk(I, size),
-                                                   BM=ROWS, NT=nt, PREC=prec, num_warps=nw)
+                                                   BM=ROWS, NT=nt, PREC=prec, num_warps=nw, **staged)
     return out.view(1, T, Hd)

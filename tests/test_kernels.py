@@ -44,7 +44,13 @@ def run_both(layer, x, cos, sin, pos, mask, tuning=kernels.Tuning()):
 # (the reduction loops and the attention's running softmax across slot blocks); row tiles: programs that
 # compute several row tiles from one weight read, which only a pass of more than 16 rows ("tree40") has
 TUNINGS = {"default": kernels.Tuning(), "small-tiles": kernels.Tuning(bk_max=16, slots=16, warps=2),
-           "row-tiles": kernels.Tuning(row_tiles=4), "3-row-tiles-cols32": kernels.Tuning(bk_max=32, slots=32, row_tiles=3, cols=32)}
+           "row-tiles": kernels.Tuning(row_tiles=4), "3-row-tiles-cols32": kernels.Tuning(bk_max=32, slots=32, row_tiles=3, cols=32, stages=2)}
+
+
+@pytest.mark.parametrize("bad", [dict(bk_max=48), dict(slots=8), dict(warps=3), dict(row_tiles=5), dict(cols=24), dict(stages=9)])
+def test_a_tuning_the_kernels_cannot_take_is_refused_naming_the_field(bad):
+    with pytest.raises(ValueError, match=f"Tuning.{next(iter(bad))} must be"):
+        kernels.Tuning(**bad)
 
 
 def random_tree_mask(T: int, p0: int, g: torch.Generator):
