@@ -42,10 +42,8 @@ TUNINGS = {"triton": Tuning(), "triton_torch_commit": Tuning(move_slots=False), 
 def optimize(model, variant: str):
     if variant == "compiled":
         model.optimize("inductor")
-    elif variant in TUNINGS:
-        model.optimize("inductor", kernels="triton", tuning=TUNINGS[variant])
     else:
-        raise SystemExit(f"unknown variant {variant!r}: compiled or one of {sorted(TUNINGS)}")
+        model.optimize("inductor", kernels="triton", tuning=TUNINGS[variant])
 
 
 def measure(model, drafter, spec: TreeSpec, max_new: int, rows, host_loop: bool) -> dict:
@@ -83,6 +81,10 @@ def main():
     ap.add_argument("--host-loop", action="store_true", help="also time the host-driven loop (tree_loop)")
     ap.add_argument("--out", help="also write the JSON here")
     a = ap.parse_args()
+    variants = a.variants.split(",")
+    unknown = [v for v in variants if v != "compiled" and v not in TUNINGS]
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}: compiled or one of {sorted(TUNINGS)}")
     torch.manual_seed(0)
     model = random_model(SMOLLM2)
     drafter = Eagle3Drafter(DraftConfig.from_target(SMOLLM2, 32000)).cuda().to(torch.bfloat16).eval()
@@ -97,7 +99,7 @@ def main():
     res = {"command": "python " + " ".join(sys.argv), "commit": git_commit(), "device": torch.cuda.get_device_name(),
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "spec": [a.topk, a.steps, a.tokens],
            "torch": torch.__version__}
-    for variant in a.variants.split(","):
+    for variant in variants:
         t = time.perf_counter()
         try:
             optimize(model, variant)
