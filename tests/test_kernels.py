@@ -112,6 +112,9 @@ def blas_row_invariant() -> bool:
 DEVICES = [pytest.param("cpu", marks=pytest.mark.skipif(torch.cuda.is_available() or not blas_row_invariant(),
                                                         reason="the interpreter's dot (numpy's BLAS) depends on row position here")),
            pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])]
+# the interpreter where there is no CUDA, else CUDA (the kernels' bits are not what these compare)
+ON_THIS_HOST = [pytest.param("cpu", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA here: the cuda case")),
+                DEVICES[1]]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -137,8 +140,7 @@ def test_a_token_gets_the_same_bits_alone_as_in_a_verify_pass(device, dtype):
         assert torch.equal(one[0, 0], many[0, t])
 
 
-@pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA: the cuda case")),
-                                    DEVICES[1]])
+@pytest.mark.parametrize("device", ON_THIS_HOST)
 def test_a_row_gets_the_same_bits_however_many_row_tiles_a_program_computes(device):
     """Tuning.row_tiles changes which program computes a row tile, not the tile's arithmetic: a 49-row
     tree pass (four tiles) gives the same bits at 1, 2, 3 and 4 tiles a program, cache writes included."""
@@ -211,14 +213,18 @@ SMOLLM2_WIDTHS = dict(hidden_size=576, num_attention_heads=9, num_key_value_head
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_fp32_speculation_on_cuda_kernels_at_smollm2_widths_equals_plain():
+@pytest.mark.parametrize("row_tiles,compiled", [(1, False), (4, True)], ids=["default", "row-tiles4-compiled-drafter"])
+def test_fp32_speculation_on_cuda_kernels_at_smollm2_widths_equals_plain(row_tiles, compiled):
     """The device bench's fp32 exactness check, at SmolLM2's widths with the default Tuning under CUDA
     graphs: the fp32 tiles must fit an SM (the bench's fp32 check once died of OutOfResources) and a
-    token's bits must not depend on the pass it is in."""
+    token's bits must not depend on the pass it is in. Also with 4 row tiles a program and the drafter
+    compiled as bench compiles it (its steps and the verify cycle's acceptance and catch-up)."""
     from draftsmith.cudagraph import Graphs
 
-    model = tiny_native(layers=4, **SMOLLM2_WIDTHS).optimize(kernels="triton")
+    model = tiny_native(layers=4, **SMOLLM2_WIDTHS).optimize(kernels="triton", tuning=kernels.Tuning(row_tiles=row_tiles))
     drafter = tiny_drafter(model, draft_vocab=200).cuda()
+    if compiled:
+        drafter.optimize("inductor")
     model = model.cuda()
     model.setup_caches(1, 256)
     graphs = Graphs(True)
@@ -226,7 +232,8 @@ def test_fp32_speculation_on_cuda_kernels_at_smollm2_widths_equals_plain():
         prompt = torch.randint(3, 320, (1, 12), generator=torch.Generator().manual_seed(seed)).cuda()
         plain = decode_plain(model, prompt, 48, (), graphs).tokens
         assert decode_chain(model, drafter, prompt, 48, 5, (), graphs).tokens == plain
-        assert decode_tree(model, drafter, prompt, 48, TreeSpec(4, 4, 16), (), graphs).tokens == plain
+        for spec in (TreeSpec(4, 4, 16), TreeSpec(8, 6, 48)):  # 17 and 49 rows: two and four row tiles
+            assert decode_tree(model, drafter, prompt, 48, spec, (), graphs).tokens == plain
 
 
 @pytest.mark.gpu
@@ -266,13 +273,14 @@ def test_bf16_kernels_fit_and_match_at_the_llama8b_layer_shape(T):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_one_launch_commit_moves_the_same_slots_as_the_torch_commit(dtype):
+@pytest.mark.parametrize("device", ON_THIS_HOST)
+def test_one_launch_commit_moves_the_same_slots_as_the_torch_commit(device, dtype):
     """kernels.SlotMover against KVCache.move in every layer: rows whose destination is another row's
     source (the accepted path's slots overlap the tree's) and rows that copy a slot onto itself, as
     verify_cycle's fixed-shape commit does; nothing else in any cache changes."""
-    model = kernel_target(layers=3).to(dtype)
+    model = kernel_target(layers=3).to(device, dtype)
     model.setup_caches(1, S)
-    reference = kernel_target(layers=3).to(dtype)
+    reference = kernel_target(layers=3).to(device, dtype)
     reference.setup_caches(1, S)
     g = torch.Generator().manual_seed(5)
     for layer, ref in zip(model.layers, reference.layers):
@@ -281,7 +289,8 @@ def test_one_launch_commit_moves_the_same_slots_as_the_torch_commit(dtype):
             rbuf.copy_(buf)
     model.optimize(kernels="triton")
     assert model.slot_mover is not None
-    src, dst = torch.tensor([21, 23, 26, 24, 25]), torch.tensor([21, 22, 23, 24, 25])  # 23 is read and rewritten
+    src = torch.tensor([21, 23, 26, 24, 25], device=device)  # 23 is read and rewritten
+    dst = torch.tensor([21, 22, 23, 24, 25], device=device)
     model.commit(src, dst)
     reference.commit(src, dst)
     assert model.slot_mover.table is not None  # the kernel ran, not the torch fallback
