@@ -96,6 +96,50 @@ def _normed(x_ptr, nw_ptr, rm, rk, n_rows, rstd, K: tl.constexpr):
 
 
 @triton.jit
+def _normed_dots(x_ptr, nw_ptr, w_ptr, n1, n2, n_ok, r0, n_rows, eps, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 BM: tl.constexpr, NT: tl.constexpr, PREC: tl.constexpr):
+    """rmsnorm(x) @ w[n1]^T and @ w[n2]^T (BN weight rows each, n_ok masking them) for NT row tiles of BM
+    from row r0: (tile 0's two accumulators, tile 1's, tile 2's, tile 3's), zeros past NT. Each weight
+    tile read serves all NT row tiles; each tile is its own BM-row dot, so a row's bits do not depend on NT."""
+    a1_0 = tl.zeros([BM, BN], dtype=tl.float32)
+    a2_0 = tl.zeros([BM, BN], dtype=tl.float32)
+    a1_1 = tl.zeros([BM, BN], dtype=tl.float32)
+    a2_1 = tl.zeros([BM, BN], dtype=tl.float32)
+    a1_2 = tl.zeros([BM, BN], dtype=tl.float32)
+    a2_2 = tl.zeros([BM, BN], dtype=tl.float32)
+    a1_3 = tl.zeros([BM, BN], dtype=tl.float32)
+    a2_3 = tl.zeros([BM, BN], dtype=tl.float32)
+    rstd0 = _rstd(x_ptr, r0, n_rows, eps, K, BK, BM)
+    if NT > 1:
+        rstd1 = _rstd(x_ptr, r0 + BM, n_rows, eps, K, BK, BM)
+    if NT > 2:
+        rstd2 = _rstd(x_ptr, r0 + 2 * BM, n_rows, eps, K, BK, BM)
+    if NT > 3:
+        rstd3 = _rstd(x_ptr, r0 + 3 * BM, n_rows, eps, K, BK, BM)
+    for k0 in range(0, K, BK):
+        rk = k0 + tl.arange(0, BK)
+        inside = n_ok[:, None] & (rk[None, :] < K)
+        w1 = tl.trans(tl.load(w_ptr + n1[:, None] * K + rk[None, :], mask=inside, other=0.0))
+        w2 = tl.trans(tl.load(w_ptr + n2[:, None] * K + rk[None, :], mask=inside, other=0.0))
+        a = _normed(x_ptr, nw_ptr, r0, rk, n_rows, rstd0, K)
+        a1_0 += tl.dot(a, w1, input_precision=PREC)
+        a2_0 += tl.dot(a, w2, input_precision=PREC)
+        if NT > 1:
+            a = _normed(x_ptr, nw_ptr, r0 + BM, rk, n_rows, rstd1, K)
+            a1_1 += tl.dot(a, w1, input_precision=PREC)
+            a2_1 += tl.dot(a, w2, input_precision=PREC)
+        if NT > 2:
+            a = _normed(x_ptr, nw_ptr, r0 + 2 * BM, rk, n_rows, rstd2, K)
+            a1_2 += tl.dot(a, w1, input_precision=PREC)
+            a2_2 += tl.dot(a, w2, input_precision=PREC)
+        if NT > 3:
+            a = _normed(x_ptr, nw_ptr, r0 + 3 * BM, rk, n_rows, rstd3, K)
+            a1_3 += tl.dot(a, w1, input_precision=PREC)
+            a2_3 += tl.dot(a, w2, input_precision=PREC)
+    return a1_0, a2_0, a1_1, a2_1, a1_2, a2_2, a1_3, a2_3
+
+
+@triton.jit
 def _qkv_out(acc1, acc2, rm, head, d1, b_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, n_rows, S,
              D: tl.constexpr, H: tl.constexpr, KV: tl.constexpr, HAS_BIAS: tl.constexpr):
     """One row tile's epilogue: bias, rotary on q and k heads, q into its buffer, k or v into its cache slots."""
@@ -135,45 +179,13 @@ def _qkv_rope_cache(x_ptr, nw_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, slot_ptr, q_p
                     BK: tl.constexpr, BM: tl.constexpr, NT: tl.constexpr, HAS_BIAS: tl.constexpr, PREC: tl.constexpr):
     # program (head, pair block, NT row tiles); heads are q heads, then k heads, then v heads (qkv's rows).
     # A program computes BP rotary pairs (d, d + D/2) of one head, so it can rotate them itself.
-    # Each weight tile it reads serves its NT row tiles (the _linear_residual comment).
+    # Each weight tile it reads serves its NT row tiles (_normed_dots).
     head = tl.program_id(0)
     d1 = tl.program_id(1) * BP + tl.arange(0, BP)  # first halves; partners at d1 + D/2
     r0 = tl.program_id(2) * (NT * BM) + tl.arange(0, BM)
     n1 = head * D + d1
-    rstd0 = _rstd(x_ptr, r0, n_rows, eps, K, BK, BM)
-    acc1_0 = tl.zeros([BM, BP], dtype=tl.float32)
-    acc2_0 = tl.zeros([BM, BP], dtype=tl.float32)
-    if NT > 1:
-        rstd1 = _rstd(x_ptr, r0 + BM, n_rows, eps, K, BK, BM)
-        acc1_1 = tl.zeros([BM, BP], dtype=tl.float32)
-        acc2_1 = tl.zeros([BM, BP], dtype=tl.float32)
-    if NT > 2:
-        rstd2 = _rstd(x_ptr, r0 + 2 * BM, n_rows, eps, K, BK, BM)
-        acc1_2 = tl.zeros([BM, BP], dtype=tl.float32)
-        acc2_2 = tl.zeros([BM, BP], dtype=tl.float32)
-    if NT > 3:
-        rstd3 = _rstd(x_ptr, r0 + 3 * BM, n_rows, eps, K, BK, BM)
-        acc1_3 = tl.zeros([BM, BP], dtype=tl.float32)
-        acc2_3 = tl.zeros([BM, BP], dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        rk = k0 + tl.arange(0, BK)
-        w1 = tl.trans(tl.load(w_ptr + n1[:, None] * K + rk[None, :], mask=rk[None, :] < K, other=0.0))
-        w2 = tl.trans(tl.load(w_ptr + (n1 + D // 2)[:, None] * K + rk[None, :], mask=rk[None, :] < K, other=0.0))
-        a = _normed(x_ptr, nw_ptr, r0, rk, n_rows, rstd0, K)
-        acc1_0 += tl.dot(a, w1, input_precision=PREC)
-        acc2_0 += tl.dot(a, w2, input_precision=PREC)
-        if NT > 1:
-            a = _normed(x_ptr, nw_ptr, r0 + BM, rk, n_rows, rstd1, K)
-            acc1_1 += tl.dot(a, w1, input_precision=PREC)
-            acc2_1 += tl.dot(a, w2, input_precision=PREC)
-        if NT > 2:
-            a = _normed(x_ptr, nw_ptr, r0 + 2 * BM, rk, n_rows, rstd2, K)
-            acc1_2 += tl.dot(a, w1, input_precision=PREC)
-            acc2_2 += tl.dot(a, w2, input_precision=PREC)
-        if NT > 3:
-            a = _normed(x_ptr, nw_ptr, r0 + 3 * BM, rk, n_rows, rstd3, K)
-            acc1_3 += tl.dot(a, w1, input_precision=PREC)
-            acc2_3 += tl.dot(a, w2, input_precision=PREC)
+    acc1_0, acc2_0, acc1_1, acc2_1, acc1_2, acc2_2, acc1_3, acc2_3 = _normed_dots(
+        x_ptr, nw_ptr, w_ptr, n1, n1 + D // 2, d1 < D // 2, r0, n_rows, eps, K, BP, BK, BM, NT, PREC)
     _qkv_out(acc1_0, acc2_0, r0, head, d1, b_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, n_rows, S, D, H, KV, HAS_BIAS)
     if NT > 1:
         _qkv_out(acc1_1, acc2_1, r0 + BM, head, d1, b_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, n_rows, S, D, H, KV,
@@ -286,41 +298,8 @@ def _gate_up(x_ptr, nw_ptr, w_ptr, y_ptr, n_rows, eps, K: tl.constexpr, I: tl.co
     # Program (column block, NT row tiles), as _linear_residual.
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     r0 = tl.program_id(1) * (NT * BM) + tl.arange(0, BM)
-    rstd0 = _rstd(x_ptr, r0, n_rows, eps, K, BK, BM)
-    acc_g0 = tl.zeros([BM, BN], dtype=tl.float32)
-    acc_u0 = tl.zeros([BM, BN], dtype=tl.float32)
-    if NT > 1:
-        rstd1 = _rstd(x_ptr, r0 + BM, n_rows, eps, K, BK, BM)
-        acc_g1 = tl.zeros([BM, BN], dtype=tl.float32)
-        acc_u1 = tl.zeros([BM, BN], dtype=tl.float32)
-    if NT > 2:
-        rstd2 = _rstd(x_ptr, r0 + 2 * BM, n_rows, eps, K, BK, BM)
-        acc_g2 = tl.zeros([BM, BN], dtype=tl.float32)
-        acc_u2 = tl.zeros([BM, BN], dtype=tl.float32)
-    if NT > 3:
-        rstd3 = _rstd(x_ptr, r0 + 3 * BM, n_rows, eps, K, BK, BM)
-        acc_g3 = tl.zeros([BM, BN], dtype=tl.float32)
-        acc_u3 = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        rk = k0 + tl.arange(0, BK)
-        inside = (rn[:, None] < I) & (rk[None, :] < K)
-        wg = tl.trans(tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=inside, other=0.0))
-        wu = tl.trans(tl.load(w_ptr + (rn + I)[:, None] * K + rk[None, :], mask=inside, other=0.0))
-        a = _normed(x_ptr, nw_ptr, r0, rk, n_rows, rstd0, K)
-        acc_g0 += tl.dot(a, wg, input_precision=PREC)
-        acc_u0 += tl.dot(a, wu, input_precision=PREC)
-        if NT > 1:
-            a = _normed(x_ptr, nw_ptr, r0 + BM, rk, n_rows, rstd1, K)
-            acc_g1 += tl.dot(a, wg, input_precision=PREC)
-            acc_u1 += tl.dot(a, wu, input_precision=PREC)
-        if NT > 2:
-            a = _normed(x_ptr, nw_ptr, r0 + 2 * BM, rk, n_rows, rstd2, K)
-            acc_g2 += tl.dot(a, wg, input_precision=PREC)
-            acc_u2 += tl.dot(a, wu, input_precision=PREC)
-        if NT > 3:
-            a = _normed(x_ptr, nw_ptr, r0 + 3 * BM, rk, n_rows, rstd3, K)
-            acc_g3 += tl.dot(a, wg, input_precision=PREC)
-            acc_u3 += tl.dot(a, wu, input_precision=PREC)
+    acc_g0, acc_u0, acc_g1, acc_u1, acc_g2, acc_u2, acc_g3, acc_u3 = _normed_dots(
+        x_ptr, nw_ptr, w_ptr, rn, rn + I, rn < I, r0, n_rows, eps, K, BN, BK, BM, NT, PREC)
     _silu_mul_out(acc_g0, acc_u0, y_ptr, r0, rn, n_rows, I)
     if NT > 1:
         _silu_mul_out(acc_g1, acc_u1, y_ptr, r0 + BM, rn, n_rows, I)
