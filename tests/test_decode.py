@@ -152,6 +152,21 @@ def test_tree_equals_greedy_for_stub_drafters(target, p_right):
         assert set(out.accept_lengths) == {1}
 
 
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_a_top1_tree_is_the_chain(target, k):
+    """decode_tree with TreeSpec(1, k, k) drafts, accepts and emits exactly what decode_chain(k) does
+    (same tokens, same accept length every cycle), so the device-resident tree cycle (one host read a
+    cycle, the next draft queued before it) can serve chain speculation."""
+    prompt = torch.randint(3, 320, (1, 7), generator=torch.Generator().manual_seed(9))
+    plain = decode_plain(target, prompt, 60)
+    oracle = prompt[0].tolist() + plain.tokens + [0] * 20
+    drafter = OracleDrafter(DraftConfig.from_target(target.args, target.args.vocab_size), oracle, 0.7)
+    chain = decode_chain(target, drafter, prompt, 60, k)
+    tree = decode_tree(target, drafter, prompt, 60, TreeSpec(1, k, k))
+    assert tree.tokens == chain.tokens == plain.tokens
+    assert tree.accept_lengths == chain.accept_lengths and len(set(chain.accept_lengths)) > 1  # some drafts accepted, some not
+
+
 @pytest.mark.parametrize("kind", ["trained-shape", "sometimes-right"])
 def test_compiled_drafting_steps_decode_the_same(target, kind):
     """Eagle3Drafter.optimize(backend): the fused drafter's drafting steps run under torch.compile
