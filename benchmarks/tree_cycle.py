@@ -4,8 +4,9 @@ shapes make a device cycle cost the same whatever is accepted, so for a trained 
 speedup ~= accept_length * plain_ms / cycle_ms (what `draftsmith cost` computes).
 
 For each variant: the target pass by rows (one token to a 49-row tree), plain decoding's ms a token,
-and the device-resident tree cycle split into draft and verify on the device timeline; the host-driven
-loop (tree_loop) too with --host-loop. Variants:
+the host-driven chain (decode_chain) and the device-resident tree cycle for each --specs shape, split
+into draft and verify on the device timeline (1x5x5 is the chain of 5 on the device-resident cycle);
+the host-driven tree loop (tree_loop) too with --host-loop. Variants:
   compiled             inductor-compiled layers (bench --engine compiled)
   triton_torch_commit  Triton layers, the KV commit as 4 torch ops a layer (Tuning(move_slots=False))
   triton               Triton layers with the default Tuning (one-launch commit, kernels.SlotMover)
@@ -29,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from draftsmith.bench import git_commit  # noqa: E402
 from draftsmith.cudagraph import Graphs  # noqa: E402
-from draftsmith.decode import TreeSpec, decode_plain, decode_tree, tree_loop  # noqa: E402
+from draftsmith.decode import TreeSpec, decode_chain, decode_plain, decode_tree, tree_loop  # noqa: E402
 from draftsmith.draft import DraftConfig, Eagle3Drafter  # noqa: E402
 from draftsmith.kernels import Tuning  # noqa: E402
 from h200_run import SMOLLM2, random_model, step_times  # noqa: E402
@@ -46,14 +47,20 @@ def optimize(model, variant: str):
         model.optimize("inductor", kernels="triton", tuning=TUNINGS[variant])
 
 
-def measure(model, drafter, spec: TreeSpec, max_new: int, rows, host_loop: bool) -> dict:
+def spec_name(spec: TreeSpec) -> str:
+    return f"{spec.topk}x{spec.steps}x{spec.num_draft_tokens}"
+
+
+def measure(model, drafter, specs: list[TreeSpec], chain_k: int, max_new: int, rows, host_loop: bool) -> dict:
     graphs = Graphs(True)
     x = torch.randint(0, 1000, (1, 128), device="cuda")
     res = step_times(model, torch.tensor([300], device="cuda"), rows, graphs)
     runs = {"plain": lambda: decode_plain(model, x, max_new, (), graphs),
-            "tree_device": lambda: decode_tree(model, drafter, x, max_new, spec, (), graphs)}
-    if host_loop:
-        runs["tree_host"] = lambda: tree_loop(model, drafter, x, max_new, spec, (), graphs)
+            f"chain{chain_k}_host": lambda: decode_chain(model, drafter, x, max_new, chain_k, (), graphs)}
+    for spec in specs:
+        runs[f"tree{spec_name(spec)}_device"] = lambda spec=spec: decode_tree(model, drafter, x, max_new, spec, (), graphs)
+        if host_loop:
+            runs[f"tree{spec_name(spec)}_host"] = lambda spec=spec: tree_loop(model, drafter, x, max_new, spec, (), graphs)
     for name, run in runs.items():
         t = time.perf_counter()
         run()  # compilation and capture
@@ -65,17 +72,17 @@ def measure(model, drafter, spec: TreeSpec, max_new: int, rows, host_loop: bool)
             r.update(cycles=cycles, tau=round(sum(gen.accept_lengths) / cycles, 3),
                      cycle_ms=round(1e3 * (gen.seconds - gen.prefill_seconds) / cycles, 4),
                      draft_ms=round(1e3 * gen.draft_seconds / cycles, 4), verify_ms=round(1e3 * gen.verify_seconds / cycles, 4))
+            r["cycle_over_step"] = round(r["cycle_ms"] / res["plain"]["ms_per_token"], 3)
         res[name] = r
-    res["tree_cycle_over_step"] = round(res["tree_device"]["cycle_ms"] / res["plain"]["ms_per_token"], 3)
     return res
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--variants", default="compiled,triton_torch_commit,triton,triton_rt2,triton_rt4")
-    ap.add_argument("--topk", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--specs", default="8x6x48,1x5x5", help="tree shapes topk x steps x nodes (1xKxK: a chain of K drafts"
+                    " on the device-resident cycle, the same tokens and accept lengths as decode_chain K)")
+    ap.add_argument("--chain", type=int, default=5, help="drafts of the host-driven chain (decode_chain) timed alongside")
     ap.add_argument("--max-new", type=int, default=256)
     ap.add_argument("--rows", default="1,8,16,17,32,49,64", help="target pass sizes to time")
     ap.add_argument("--host-loop", action="store_true", help="also time the host-driven loop (tree_loop)")
@@ -94,17 +101,17 @@ def main():
     drafter.optimize("inductor")  # as bench: the drafting steps and the verify cycle's acceptance and catch-up compiled
     model.setup_caches(1, 1024)
     drafter.setup_caches(1, 1024)
-    spec = TreeSpec(a.topk, a.steps, a.tokens)
+    specs = [TreeSpec(*(int(v) for v in t.split("x"))) for t in a.specs.split(",")]
     rows = tuple(int(n) for n in a.rows.split(","))
     res = {"command": "python " + " ".join(sys.argv), "commit": git_commit(), "device": torch.cuda.get_device_name(),
-           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "spec": [a.topk, a.steps, a.tokens],
+           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "specs": a.specs, "chain": a.chain,
            "torch": torch.__version__}
     for variant in variants:
         t = time.perf_counter()
         try:
             optimize(model, variant)
             with torch.no_grad():
-                res[variant] = measure(model, drafter, spec, a.max_new, rows, a.host_loop)
+                res[variant] = measure(model, drafter, specs, a.chain, a.max_new, rows, a.host_loop)
         except Exception as e:  # noqa: BLE001 - recorded; the next variant still runs
             res[variant] = {"error": repr(e)[:500]}
         res[variant]["setup_and_measure_s"] = round(time.perf_counter() - t, 1)
