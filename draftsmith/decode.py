@@ -811,7 +811,8 @@ def verify_cycle(model: Transformer, drafter: Eagle3Drafter, spec: TreeSpec, acc
     """The target's pass over [pending, tree], acceptance, KV commit and drafter catch-up as one
     fixed-shape step. accept(hidden (N+1, H), tree, anc, *extra) -> (n (1,), rows (D+1,), bonus (1,)).
     What follows the target's pass but the commit (acceptance, with the logits, and the catch-up) is
-    compiled like the drafting steps (Eagle3Drafter.optimize): eager, it is ~100 small kernels a cycle."""
+    compiled like the drafting steps (Eagle3Drafter.optimize): eager, it and the tree mask are ~100
+    small kernels a cycle at SmolLM2's shape (logs/tree-cycle-ops-cpu.json)."""
     D, capture = min(spec.steps, spec.nodes), drafter.cfg.aux_layer_ids
 
     def after(hidden, aux, seq, tokens, parents, depth, anc, pos, *extra):
