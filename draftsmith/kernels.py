@@ -11,12 +11,14 @@ At batch 1 SmolLM2-135M's compiled decode step is ~560 kernels of ~2 us each on 
 
 Rows (query tokens) go in tiles of ROWS whatever their number, so a token gets the same arithmetic
 in a one-token step as in a 48-node tree verify: in fp32 speculative output equals plain output,
-as with the torch path. A matmul program may compute up to four row tiles from one read of each
-weight tile (Tuning.row_tiles), each still its own ROWS-row dot. Tree verification's KV commit is
-one more kernel for all layers (SlotMover). That needs tl.dot to give a row the same bits wherever it sits in its tile:
-true on CUDA (tested in fp32 and bf16), not under the interpreter where numpy's BLAS is not. Intermediate results are rounded to the model's dtype where the torch
-layer rounds them (matmul outputs, silu, the residual adds). Attention reads the slots up to the
-largest one being written: every mask the engine builds (causal, chain, tree) hides later ones.
+as with the torch path. That needs tl.dot to give a row the same bits wherever it sits in its tile:
+true on CUDA (tested in fp32 and bf16), not under the interpreter where numpy's BLAS is not. A
+matmul program may compute up to four row tiles from one read of each weight tile
+(Tuning.row_tiles), each still its own ROWS-row dot, so that changes no bits. Intermediate results
+are rounded to the model's dtype where the torch layer rounds them (matmul outputs, silu, the
+residual adds). Attention reads the slots up to the largest one being written: every mask the
+engine builds (causal, chain, tree) hides later ones. Tree verification's KV commit is one kernel
+for all layers (SlotMover).
 
 `Transformer.optimize(kernels="triton")` routes batch-1 short queries of supported layers here
 (`supports`); everything else keeps the torch path. Tests run these kernels on the CPU through
@@ -37,7 +39,7 @@ MAX_T = 64  # query tokens a call (target.COMPILED_MAX_TOKENS)
 
 @dataclass(frozen=True)
 class Tuning:
-    """Tile sizes and warps. One model uses one Tuning for every call, so a token's arithmetic does
+    """Tile sizes, warps and the commit kernel. One model uses one Tuning for every call, so a token's arithmetic does
     not depend on how many tokens share the pass. At batch 1 the kernels are latency-bound: a wider
     reduction tile means fewer dependent steps per program. The default is the H200's measured choice
     (logs/engine-triton-sweep-8114dc5.json): 256-wide reduction tiles made SmolLM2's one-token step
