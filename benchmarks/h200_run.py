@@ -194,6 +194,7 @@ def bench_smollm(a, res):
     qs = spread(load_eval(Path(a.data) / "eval" / "mt_bench.jsonl"), a.num_prompts)  # all 80 by default
     ids = [torch.tensor([prompt_ids(target.tokenizer, q.turns)], device=a.device) for q in qs]
     tree = TreeSpec(topk=a.topk, steps=a.tree_steps, num_draft_tokens=a.tree_tokens)
+    chain_tree = TreeSpec(1, 5, 5)  # chain5_device: the chain of 5 on the device-resident tree cycle (same tokens and accepts)
     # Caches sized to the longest prompt + new tokens + a draft's worth (as gpt-fast sizes its static
     # cache), in steps of 128, one size for every prompt so the graphs captured over them stay valid:
     # the decode step's attention reads every slot of the cache, so 2,048 slots for ~700 used ones
@@ -208,10 +209,12 @@ def bench_smollm(a, res):
         decode_plain(model, x, 32, target.eos_ids, graphs)
         decode_chain(model, drafter, x, 32, 5, target.eos_ids, graphs)
         decode_tree(model, drafter, x, 32, tree, target.eos_ids, graphs)
+        if a.chain_device:
+            decode_tree(model, drafter, x, 32, chain_tree, target.eos_ids, graphs)
     warm_prompt_shapes(model, ids, target.eos_ids, graphs)
     sm = {"prompts": len(ids), "max_new_tokens": a.max_new_bench, "cache_slots": model.max_len, "warmup_s": round(time.perf_counter() - t, 1)}
     res["smollm2"] = sm
-    runs = {"plain": [], "chain5": [], "tree": []}
+    runs = {"plain": [], "chain5": [], "tree": [], **({"chain5_device": []} if a.chain_device else {})}
     if plain_drafter is not None:
         for x in ids[:2]:
             decode_tree(model, plain_drafter, x, 32, tree, target.eos_ids, graphs)
@@ -220,6 +223,8 @@ def bench_smollm(a, res):
         runs["plain"].append(decode_plain(model, x, a.max_new_bench, target.eos_ids, graphs))
         runs["chain5"].append(decode_chain(model, drafter, x, a.max_new_bench, 5, target.eos_ids, graphs))
         runs["tree"].append(decode_tree(model, drafter, x, a.max_new_bench, tree, target.eos_ids, graphs))
+        if a.chain_device:
+            runs["chain5_device"].append(decode_tree(model, drafter, x, a.max_new_bench, chain_tree, target.eos_ids, graphs))
         if plain_drafter is not None:
             runs["tree_uncompiled_drafter"].append(decode_tree(model, plain_drafter, x, a.max_new_bench, tree, target.eos_ids, graphs))
 
@@ -243,7 +248,7 @@ def bench_smollm(a, res):
 
     sm["plain"] = summary(runs["plain"])
     base = sm["baseline_tok_s"] = sm["plain"]["tok_s"]
-    for name in ("chain5", "tree"):
+    for name in [n for n in ("chain5", "tree", "chain5_device") if n in runs]:
         sm[name] = summary(runs[name])
         sm[name]["speedup"] = round(sm[name]["tok_s"] / base, 3)
         same = sum(p.tokens == g.tokens for p, g in zip(runs["plain"], runs[name]))
@@ -650,7 +655,7 @@ def failed_checks(res: dict) -> list[str]:
     sm, failed = res.get("smollm2", {}), []
     if "smollm2_error" in res:
         failed.append(f"the SmolLM2 section failed: {res['smollm2_error']}")
-    for name in ("chain5", "tree"):
+    for name in ("chain5", "tree", "chain5_device"):
         agree = sm.get(name, {}).get("greedy_agreement")
         if agree is not None and agree < AGREEMENT_FLOOR:
             failed.append(f"bf16 {name} agrees with plain greedy decoding on {agree:.2%} of tokens (< 99%)")
@@ -697,6 +702,8 @@ def main():
     ap.add_argument("--sections", default=",".join(["smollm2_shape", "llama8b_shape", *TTT_PATHS]), help="engine: which sections, in order")
     ap.add_argument("--compile-drafter", action=argparse.BooleanOptionalAction, default=True,
                     help="bench: compile the drafter's drafting steps (Eagle3Drafter.optimize)")
+    ap.add_argument("--chain-device", action=argparse.BooleanOptionalAction, default=True,
+                    help="bench: also the chain of 5 as a top-1 tree on the device-resident cycle (chain5_device)")
     ap.add_argument("--drafter-ab", action=argparse.BooleanOptionalAction, default=False,
                     help="bench: also time the tree with the drafter uncompiled (run 6 measured it: 0.96x vs 1.45x)")
     ap.add_argument("--engine", default="compiled", choices=ENGINE_VARIANTS[1:], help="bench: how the SmolLM2 engine is optimised")
