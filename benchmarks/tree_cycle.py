@@ -12,6 +12,7 @@ the host-driven tree loop (tree_loop) too with --host-loop. Variants:
   triton               Triton layers with the default Tuning (one-launch commit, kernels.SlotMover)
   triton_rt2/3/4       the same with Tuning(row_tiles=2/3/4): a 49-row pass reads each weight tile once
   triton_cols32/64     Tuning(cols=...) (columns a matmul program)
+  triton_fold          Tuning(fold_norm=True): qkv and gate/up sum rstd in their matmul pass (no first pass over x)
 
     python benchmarks/tree_cycle.py --variants compiled,triton_torch_commit,triton,triton_rt4 --out $OUT/tree-cycle.json
 The last stdout line is one JSON document (also written to --out).
@@ -37,7 +38,8 @@ from h200_run import SMOLLM2, random_model, step_times  # noqa: E402
 
 TUNINGS = {"triton": Tuning(), "triton_torch_commit": Tuning(move_slots=False), "triton_rt2": Tuning(row_tiles=2),
            "triton_rt3": Tuning(row_tiles=3), "triton_rt4": Tuning(row_tiles=4), "triton_cols32": Tuning(cols=32),
-           "triton_cols64": Tuning(cols=64), "triton_rt4_cols32": Tuning(row_tiles=4, cols=32)}
+           "triton_cols64": Tuning(cols=64), "triton_rt4_cols32": Tuning(row_tiles=4, cols=32),
+           "triton_fold": Tuning(fold_norm=True), "triton_rt4_fold": Tuning(row_tiles=4, fold_norm=True)}
 
 
 def optimize(model, variant: str):

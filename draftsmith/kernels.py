@@ -54,6 +54,8 @@ class Tuning:
     row_tiles: int = 1
     cols: int = 0
     stages: int = 0  # the matmul kernels' software-pipelining depth (num_stages); 0: Triton's default
+    fold_norm: bool = False  # qkv and gate/up: rstd summed in the matmul's own pass over x (_normed_dots), not a first pass
+    pairs: int = 16  # rotary pairs (d, d + D/2) a qkv program computes: 2 x pairs output columns of one head
 
     def __post_init__(self):
         for name in ("bk_max", "slots"):
@@ -66,6 +68,8 @@ class Tuning:
             raise ValueError(f"Tuning.row_tiles must be 1 to 4 (MAX_T / ROWS), got {self.row_tiles}")
         if self.cols and (self.cols < 16 or self.cols & (self.cols - 1)):
             raise ValueError(f"Tuning.cols must be 0 (automatic) or a power of 2 >= 16, got {self.cols}")
+        if self.pairs < 16 or self.pairs & (self.pairs - 1):
+            raise ValueError(f"Tuning.pairs must be a power of 2 >= 16, got {self.pairs}")
         if not 0 <= self.stages <= 8:
             raise ValueError(f"Tuning.stages must be 0 (Triton's default) to 8, got {self.stages}")
 
@@ -98,11 +102,26 @@ def _normed(x_ptr, nw_ptr, rm, rk, n_rows, rstd, K: tl.constexpr):
 
 
 @triton.jit
+def _norm_in(x_ptr, nw_ptr, rm, rk, n_rows, rstd, K: tl.constexpr, FOLD: tl.constexpr):
+    """A matmul's input tile (BM, BK) of rmsnorm(x) and the tile's sum of squares (BM,). FOLD: the tile is
+    weight * x, and the caller scales the product by rstd afterwards (one pass over x); else _normed."""
+    if FOLD:
+        x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=(rm[:, None] < n_rows) & (rk[None, :] < K), other=0.0)
+        w = tl.load(nw_ptr + rk, mask=rk < K, other=0.0)
+        xf = x.to(tl.float32)
+        return w[None, :] * x, tl.sum(xf * xf, axis=1)
+    else:
+        return _normed(x_ptr, nw_ptr, rm, rk, n_rows, rstd, K), rstd * 0.0
+
+
+@triton.jit
 def _normed_dots(x_ptr, nw_ptr, w_ptr, n1, n2, n_ok, r0, n_rows, eps, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 BM: tl.constexpr, NT: tl.constexpr, PREC: tl.constexpr):
+                 BM: tl.constexpr, NT: tl.constexpr, FOLD: tl.constexpr, PREC: tl.constexpr):
     """rmsnorm(x) @ w[n1]^T and @ w[n2]^T (BN weight rows each, n_ok masking them) for NT row tiles of BM
     from row r0: (tile 0's two accumulators, tile 1's, tile 2's, tile 3's), zeros past NT. Each weight
-    tile read serves all NT row tiles; each tile is its own BM-row dot, so a row's bits do not depend on NT."""
+    tile read serves all NT row tiles; each tile is its own BM-row dot, so a row's bits do not depend on NT.
+    RMSNorm as RMSNorm.forward rounds it after a first pass over x for rstd, or (FOLD) folded: rstd is
+    summed in the same pass and scales the fp32 products, rmsnorm(x) @ w^T = rstd * ((weight * x) @ w^T)."""
     a1_0 = tl.zeros([BM, BN], dtype=tl.float32)
     a2_0 = tl.zeros([BM, BN], dtype=tl.float32)
     a1_1 = tl.zeros([BM, BN], dtype=tl.float32)
@@ -111,33 +130,55 @@ def _normed_dots(x_ptr, nw_ptr, w_ptr, n1, n2, n_ok, r0, n_rows, eps, K: tl.cons
     a2_2 = tl.zeros([BM, BN], dtype=tl.float32)
     a1_3 = tl.zeros([BM, BN], dtype=tl.float32)
     a2_3 = tl.zeros([BM, BN], dtype=tl.float32)
-    rstd0 = _rstd(x_ptr, r0, n_rows, eps, K, BK, BM)
-    if NT > 1:
-        rstd1 = _rstd(x_ptr, r0 + BM, n_rows, eps, K, BK, BM)
-    if NT > 2:
-        rstd2 = _rstd(x_ptr, r0 + 2 * BM, n_rows, eps, K, BK, BM)
-    if NT > 3:
-        rstd3 = _rstd(x_ptr, r0 + 3 * BM, n_rows, eps, K, BK, BM)
+    ss0 = tl.zeros([BM], dtype=tl.float32)  # FOLD: sums of squares; else each tile's rstd
+    ss1 = tl.zeros([BM], dtype=tl.float32)
+    ss2 = tl.zeros([BM], dtype=tl.float32)
+    ss3 = tl.zeros([BM], dtype=tl.float32)
+    if not FOLD:
+        ss0 = _rstd(x_ptr, r0, n_rows, eps, K, BK, BM)
+        if NT > 1:
+            ss1 = _rstd(x_ptr, r0 + BM, n_rows, eps, K, BK, BM)
+        if NT > 2:
+            ss2 = _rstd(x_ptr, r0 + 2 * BM, n_rows, eps, K, BK, BM)
+        if NT > 3:
+            ss3 = _rstd(x_ptr, r0 + 3 * BM, n_rows, eps, K, BK, BM)
     for k0 in range(0, K, BK):
         rk = k0 + tl.arange(0, BK)
         inside = n_ok[:, None] & (rk[None, :] < K)
         w1 = tl.trans(tl.load(w_ptr + n1[:, None] * K + rk[None, :], mask=inside, other=0.0))
         w2 = tl.trans(tl.load(w_ptr + n2[:, None] * K + rk[None, :], mask=inside, other=0.0))
-        a = _normed(x_ptr, nw_ptr, r0, rk, n_rows, rstd0, K)
+        a, sq = _norm_in(x_ptr, nw_ptr, r0, rk, n_rows, ss0, K, FOLD)
         a1_0 += tl.dot(a, w1, input_precision=PREC)
         a2_0 += tl.dot(a, w2, input_precision=PREC)
+        if FOLD:
+            ss0 += sq
         if NT > 1:
-            a = _normed(x_ptr, nw_ptr, r0 + BM, rk, n_rows, rstd1, K)
+            a, sq = _norm_in(x_ptr, nw_ptr, r0 + BM, rk, n_rows, ss1, K, FOLD)
             a1_1 += tl.dot(a, w1, input_precision=PREC)
             a2_1 += tl.dot(a, w2, input_precision=PREC)
+            if FOLD:
+                ss1 += sq
         if NT > 2:
-            a = _normed(x_ptr, nw_ptr, r0 + 2 * BM, rk, n_rows, rstd2, K)
+            a, sq = _norm_in(x_ptr, nw_ptr, r0 + 2 * BM, rk, n_rows, ss2, K, FOLD)
             a1_2 += tl.dot(a, w1, input_precision=PREC)
             a2_2 += tl.dot(a, w2, input_precision=PREC)
+            if FOLD:
+                ss2 += sq
         if NT > 3:
-            a = _normed(x_ptr, nw_ptr, r0 + 3 * BM, rk, n_rows, rstd3, K)
+            a, sq = _norm_in(x_ptr, nw_ptr, r0 + 3 * BM, rk, n_rows, ss3, K, FOLD)
             a1_3 += tl.dot(a, w1, input_precision=PREC)
             a2_3 += tl.dot(a, w2, input_precision=PREC)
+            if FOLD:
+                ss3 += sq
+    if FOLD:
+        r = (1.0 / tl.sqrt(ss0 / K + eps))[:, None]
+        a1_0, a2_0 = a1_0 * r, a2_0 * r
+        r = (1.0 / tl.sqrt(ss1 / K + eps))[:, None]
+        a1_1, a2_1 = a1_1 * r, a2_1 * r
+        r = (1.0 / tl.sqrt(ss2 / K + eps))[:, None]
+        a1_2, a2_2 = a1_2 * r, a2_2 * r
+        r = (1.0 / tl.sqrt(ss3 / K + eps))[:, None]
+        a1_3, a2_3 = a1_3 * r, a2_3 * r
     return a1_0, a2_0, a1_1, a2_1, a1_2, a2_2, a1_3, a2_3
 
 
@@ -178,7 +219,8 @@ def _qkv_out(acc1, acc2, rm, head, d1, b_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr,
 @triton.jit
 def _qkv_rope_cache(x_ptr, nw_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, n_rows, S, eps,
                     K: tl.constexpr, D: tl.constexpr, H: tl.constexpr, KV: tl.constexpr, BP: tl.constexpr,
-                    BK: tl.constexpr, BM: tl.constexpr, NT: tl.constexpr, HAS_BIAS: tl.constexpr, PREC: tl.constexpr):
+                    BK: tl.constexpr, BM: tl.constexpr, NT: tl.constexpr, FOLD: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    PREC: tl.constexpr):
     # program (head, pair block, NT row tiles); heads are q heads, then k heads, then v heads (qkv's rows).
     # A program computes BP rotary pairs (d, d + D/2) of one head, so it can rotate them itself.
     # Each weight tile it reads serves its NT row tiles (_normed_dots).
@@ -187,7 +229,7 @@ def _qkv_rope_cache(x_ptr, nw_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, slot_ptr, q_p
     r0 = tl.program_id(2) * (NT * BM) + tl.arange(0, BM)
     n1 = head * D + d1
     acc1_0, acc2_0, acc1_1, acc2_1, acc1_2, acc2_2, acc1_3, acc2_3 = _normed_dots(
-        x_ptr, nw_ptr, w_ptr, n1, n1 + D // 2, d1 < D // 2, r0, n_rows, eps, K, BP, BK, BM, NT, PREC)
+        x_ptr, nw_ptr, w_ptr, n1, n1 + D // 2, d1 < D // 2, r0, n_rows, eps, K, BP, BK, BM, NT, FOLD, PREC)
     _qkv_out(acc1_0, acc2_0, r0, head, d1, b_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, n_rows, S, D, H, KV, HAS_BIAS)
     if NT > 1:
         _qkv_out(acc1_1, acc2_1, r0 + BM, head, d1, b_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, n_rows, S, D, H, KV,
@@ -295,13 +337,13 @@ def _silu_mul_out(acc_g, acc_u, y_ptr, rm, rn, n_rows, I: tl.constexpr):
 
 @triton.jit
 def _gate_up(x_ptr, nw_ptr, w_ptr, y_ptr, n_rows, eps, K: tl.constexpr, I: tl.constexpr, BN: tl.constexpr,
-             BK: tl.constexpr, BM: tl.constexpr, NT: tl.constexpr, PREC: tl.constexpr):
+             BK: tl.constexpr, BM: tl.constexpr, NT: tl.constexpr, FOLD: tl.constexpr, PREC: tl.constexpr):
     # y = silu(norm(x) @ gate^T) * (norm(x) @ up^T); w is gate_up (2I, K): gate rows, then up rows.
     # Program (column block, NT row tiles), as _linear_residual.
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     r0 = tl.program_id(1) * (NT * BM) + tl.arange(0, BM)
     acc_g0, acc_u0, acc_g1, acc_u1, acc_g2, acc_u2, acc_g3, acc_u3 = _normed_dots(
-        x_ptr, nw_ptr, w_ptr, rn, rn + I, rn < I, r0, n_rows, eps, K, BN, BK, BM, NT, PREC)
+        x_ptr, nw_ptr, w_ptr, rn, rn + I, rn < I, r0, n_rows, eps, K, BN, BK, BM, NT, FOLD, PREC)
     _silu_mul_out(acc_g0, acc_u0, y_ptr, r0, rn, n_rows, I)
     if NT > 1:
         _silu_mul_out(acc_g1, acc_u1, y_ptr, r0 + BM, rn, n_rows, I)
@@ -387,11 +429,11 @@ def layer_forward(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     bk = tuning.bk(Hd, size)
     bias = attn.qkv.bias
     q = torch.empty(T, h, D, dtype=x.dtype, device=x.device)
-    bp = 16
+    bp = min(tuning.pairs, D // 2)
     _qkv_rope_cache[(h + 2 * kv, D // 2 // bp, rows)](
         x2, layer.input_layernorm.weight, attn.qkv.weight, bias if bias is not None else x2, cos, sin, input_pos, q,
         cache.k, cache.v, T, S, layer.input_layernorm.eps, K=Hd, D=D, H=h, KV=kv, BP=bp, BK=bk, BM=ROWS, NT=nt,
-        HAS_BIAS=bias is not None, PREC=prec, num_warps=nw, **staged)
+        FOLD=tuning.fold_norm, HAS_BIAS=bias is not None, PREC=prec, num_warps=nw, **staged)
     o = torch.empty(T, h * D, dtype=x.dtype, device=x.device)
     m = mask[0, 0]  # (T, S)
     _attention[(kv, triton.cdiv(T * (h // kv), ROWS))](
@@ -405,7 +447,7 @@ def layer_forward(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     bi = tuning.cols or _block(I)
     post = layer.post_attention_layernorm
     _gate_up[(triton.cdiv(I, bi), rows)](h1, post.weight, mlp.gate_up.weight, a, T, post.eps, K=Hd, I=I, BN=bi, BK=bk,
-                                         BM=ROWS, NT=nt, PREC=prec, num_warps=nw, **staged)
+                                         BM=ROWS, NT=nt, FOLD=tuning.fold_norm, PREC=prec, num_warps=nw, **staged)
     out = torch.empty_like(x2)
     _linear_residual[(triton.cdiv(Hd, bn), rows)](a, mlp.down_proj.weight, h1, out, T, K=I, N=Hd, BN=bn, BK=tuning.bk(I, size),
                                                    BM=ROWS, NT=nt, PREC=prec, num_warps=nw, **staged)

@@ -44,10 +44,12 @@ def run_both(layer, x, cos, sin, pos, mask, tuning=kernels.Tuning()):
 # (the reduction loops and the attention's running softmax across slot blocks); row tiles: programs that
 # compute several row tiles from one weight read, which only a pass of more than 16 rows ("tree40") has
 TUNINGS = {"default": kernels.Tuning(), "small-tiles": kernels.Tuning(bk_max=16, slots=16, warps=2),
-           "row-tiles": kernels.Tuning(row_tiles=4), "3-row-tiles-cols32": kernels.Tuning(bk_max=32, slots=32, row_tiles=3, cols=32, stages=2)}
+           "row-tiles": kernels.Tuning(row_tiles=4), "3-row-tiles-cols32": kernels.Tuning(bk_max=32, slots=32, row_tiles=3, cols=32, stages=2),
+           "fold-norm": kernels.Tuning(fold_norm=True), "fold-norm-small-row-tiles": kernels.Tuning(bk_max=16, row_tiles=4, fold_norm=True)}
 
 
-@pytest.mark.parametrize("bad", [dict(bk_max=48), dict(slots=8), dict(warps=3), dict(row_tiles=5), dict(cols=24), dict(stages=9)])
+@pytest.mark.parametrize("bad", [dict(bk_max=48), dict(slots=8), dict(warps=3), dict(row_tiles=5), dict(cols=24), dict(stages=9),
+                                 dict(pairs=24)])
 def test_a_tuning_the_kernels_cannot_take_is_refused_naming_the_field(bad):
     with pytest.raises(ValueError, match=f"Tuning.{next(iter(bad))} must be"):
         kernels.Tuning(**bad)
@@ -140,8 +142,9 @@ def test_a_token_gets_the_same_bits_alone_as_in_a_verify_pass(device, dtype):
         assert torch.equal(one[0, 0], many[0, t])
 
 
+@pytest.mark.parametrize("fold_norm", [False, True], ids=["norm-pass", "fold-norm"])
 @pytest.mark.parametrize("device", ON_THIS_HOST)
-def test_a_row_gets_the_same_bits_however_many_row_tiles_a_program_computes(device):
+def test_a_row_gets_the_same_bits_however_many_row_tiles_a_program_computes(device, fold_norm):
     """Tuning.row_tiles changes which program computes a row tile, not the tile's arithmetic: a 49-row
     tree pass (four tiles) gives the same bits at 1, 2, 3 and 4 tiles a program, cache writes included."""
     model = kernel_target().to(device).optimize()
@@ -160,10 +163,32 @@ def test_a_row_gets_the_same_bits_however_many_row_tiles_a_program_computes(devi
     for row_tiles in (1, 2, 3, 4):
         cache.k.copy_(start[0])
         cache.v.copy_(start[1])
-        out = kernels.layer_forward(layer, x, cos, sin, pos, mask.to(device), kernels.Tuning(row_tiles=row_tiles))
+        out = kernels.layer_forward(layer, x, cos, sin, pos, mask.to(device), kernels.Tuning(row_tiles=row_tiles, fold_norm=fold_norm))
         results.append((out, cache.k.clone(), cache.v.clone()))
     for other in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+
+
+@pytest.mark.parametrize("pairs,fold_norm", [(16, False), (32, False), (32, True)])
+def test_wider_qkv_programs_match_the_torch_layer(pairs, fold_norm):
+    """Tuning.pairs: a qkv program computing 32 rotary pairs of a 64-wide head (the whole head) instead of
+    16, with and without the folded norm, for a decode step and a 20-row pass (two row tiles)."""
+    model = tiny_native(layers=1, hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                        max_position_embeddings=S).optimize()
+    model.setup_caches(1, S)
+    layer = model.layers[0]
+    g = torch.Generator().manual_seed(7)
+    for buf in (layer.self_attn.kv_cache.k, layer.self_attn.kv_cache.v):
+        buf.copy_(torch.randn(buf.shape, generator=g))
+    for T in (1, 20):
+        pos = torch.arange(30, 30 + T)
+        x = torch.randn(1, T, 64, generator=g)
+        cos, sin = model.rotary(pos[None], x.dtype)
+        tuning = kernels.Tuning(pairs=pairs, fold_norm=fold_norm, row_tiles=2)
+        ref, (kr, vr), out, (k, v) = run_both(layer, x, cos, sin, pos, causal_mask(pos, S), tuning)
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(k, kr, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(v, vr, atol=2e-5, rtol=2e-5)
 
 
 def test_speculative_decoding_on_the_kernels_equals_plain_greedy():
