@@ -238,7 +238,7 @@ SMOLLM2_WIDTHS = dict(hidden_size=576, num_attention_heads=9, num_key_value_head
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("row_tiles,compiled", [(1, False), (4, True)], ids=["default", "row-tiles4-compiled-drafter"])
+@pytest.mark.parametrize("row_tiles,compiled", [(1, False), (4, True)], ids=["default", "row-tiles4-fold-compiled-drafter"])
 def test_fp32_speculation_on_cuda_kernels_at_smollm2_widths_equals_plain(row_tiles, compiled):
     """The device bench's fp32 exactness check, at SmolLM2's widths with the default Tuning under CUDA
     graphs: the fp32 tiles must fit an SM (the bench's fp32 check once died of OutOfResources) and a
@@ -246,7 +246,8 @@ def test_fp32_speculation_on_cuda_kernels_at_smollm2_widths_equals_plain(row_til
     compiled as bench compiles it (its steps and the verify cycle's acceptance and catch-up)."""
     from draftsmith.cudagraph import Graphs
 
-    model = tiny_native(layers=4, **SMOLLM2_WIDTHS).optimize(kernels="triton", tuning=kernels.Tuning(row_tiles=row_tiles))
+    tuning = kernels.Tuning(row_tiles=row_tiles, fold_norm=compiled)
+    model = tiny_native(layers=4, **SMOLLM2_WIDTHS).optimize(kernels="triton", tuning=tuning)
     drafter = tiny_drafter(model, draft_vocab=200).cuda()
     if compiled:
         drafter.optimize("inductor")
@@ -263,8 +264,9 @@ def test_fp32_speculation_on_cuda_kernels_at_smollm2_widths_equals_plain(row_til
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("fold_norm", [False, True], ids=["norm-pass", "fold-norm"])
 @pytest.mark.parametrize("T", [1, 8, 49])
-def test_bf16_kernels_fit_and_match_at_the_llama8b_layer_shape(T):
+def test_bf16_kernels_fit_and_match_at_the_llama8b_layer_shape(T, fold_norm):
     """One Llama-3.1-8B-shaped layer (4096 wide, 32 heads of 128, 8 kv heads, 14336 MLP) with the
     default Tuning, for a decode step, a chain verify and a 49-node tree's row count: it compiles (its
     tiles fit an SM) and its bf16 output is as close to the layer computed in fp32 (same bf16 weights,
@@ -289,7 +291,7 @@ def test_bf16_kernels_fit_and_match_at_the_llama8b_layer_shape(T):
     x = torch.randn(1, T, 4096, device="cuda", dtype=torch.bfloat16)
     exact = layer32(x.float(), *model32.rotary(pos[None], torch.float32), pos, mask)
     cos, sin = model.rotary(pos[None], x.dtype)
-    ref, (kr, vr), out, (k, v) = run_both(layer, x, cos, sin, pos, mask)
+    ref, (kr, vr), out, (k, v) = run_both(layer, x, cos, sin, pos, mask, kernels.Tuning(fold_norm=fold_norm))
     torch_err = (ref.float() - exact).abs().max()
     kernel_err = (out.float() - exact).abs().max()
     assert kernel_err <= 2 * torch_err + 1e-3 * exact.abs().max(), (kernel_err, torch_err, exact.abs().max())
