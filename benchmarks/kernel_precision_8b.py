@@ -8,6 +8,7 @@ the 8B-layer GPU test's tolerance (tests/test_kernels.py). One random layer (409
   and input): how far one bf16 pass is from exact.
 
     python benchmarks/kernel_precision_8b.py --out benchmarks/results/logs/kernel-precision-8b-cpu.json   (~6 min)
+    python benchmarks/kernel_precision_8b.py --fold-norm --out benchmarks/results/logs/kernel-precision-8b-fold-cpu.json
 """
 
 import argparse
@@ -44,6 +45,7 @@ def layer_out(model, x, pos, cache):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=8)
+    ap.add_argument("--fold-norm", action="store_true", help="the kernels with Tuning(fold_norm=True)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     t0 = time.perf_counter()
@@ -58,9 +60,10 @@ def main():
     cos, sin = model.rotary(pos[None], x.dtype)
     layer.self_attn.kv_cache.k.copy_(cache[0])
     layer.self_attn.kv_cache.v.copy_(cache[1])
-    out = kernels.layer_forward(layer, x, cos, sin, pos, causal_mask(pos, 1024)).float()
+    tuning = kernels.Tuning(fold_norm=a.fold_norm)
+    out = kernels.layer_forward(layer, x, cos, sin, pos, causal_mask(pos, 1024), tuning).float()
     largest = ref.abs().max().item()
-    res = {"command": shlex.join(["python", *sys.argv]), "commit": git_commit(), "tokens": a.tokens,
+    res = {"command": shlex.join(["python", *sys.argv]), "commit": git_commit(), "tokens": a.tokens, "tuning": repr(tuning),
            "fp32_kernels_vs_torch_max_abs": (out - ref).abs().max().item(), "fp32_largest_output": largest}
     m16 = model.to(torch.bfloat16)
     m16.setup_caches(1, 1024)
