@@ -115,6 +115,18 @@ def _norm_in(x_ptr, nw_ptr, rm, rk, n_rows, rstd, K: tl.constexpr, FOLD: tl.cons
 
 
 @triton.jit
+def _tile_dots(x_ptr, nw_ptr, rm, rk, n_rows, ss, w1, w2, acc1, acc2, K: tl.constexpr, FOLD: tl.constexpr, PREC: tl.constexpr):
+    """One row tile's step of _normed_dots: its input tile against both weight tiles; ss is the tile's
+    running sum of squares (FOLD) or its rstd (passed through)."""
+    a, sq = _norm_in(x_ptr, nw_ptr, rm, rk, n_rows, ss, K, FOLD)
+    acc1 += tl.dot(a, w1, input_precision=PREC)
+    acc2 += tl.dot(a, w2, input_precision=PREC)
+    if FOLD:
+        ss += sq
+    return acc1, acc2, ss
+
+
+@triton.jit
 def _normed_dots(x_ptr, nw_ptr, w_ptr, n1, n2, n_ok, r0, n_rows, eps, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  BM: tl.constexpr, NT: tl.constexpr, FOLD: tl.constexpr, PREC: tl.constexpr):
     """rmsnorm(x) @ w[n1]^T and @ w[n2]^T (BN weight rows each, n_ok masking them) for NT row tiles of BM
@@ -147,30 +159,14 @@ def _normed_dots(x_ptr, nw_ptr, w_ptr, n1, n2, n_ok, r0, n_rows, eps, K: tl.cons
         inside = n_ok[:, None] & (rk[None, :] < K)
         w1 = tl.trans(tl.load(w_ptr + n1[:, None] * K + rk[None, :], mask=inside, other=0.0))
         w2 = tl.trans(tl.load(w_ptr + n2[:, None] * K + rk[None, :], mask=inside, other=0.0))
-        a, sq = _norm_in(x_ptr, nw_ptr, r0, rk, n_rows, ss0, K, FOLD)
-        a1_0 += tl.dot(a, w1, input_precision=PREC)
-        a2_0 += tl.dot(a, w2, input_precision=PREC)
-        if FOLD:
-            ss0 += sq
+        a1_0, a2_0, ss0 = _tile_dots(x_ptr, nw_ptr, r0, rk, n_rows, ss0, w1, w2, a1_0, a2_0, K, FOLD, PREC)
         if NT > 1:
-            a, sq = _norm_in(x_ptr, nw_ptr, r0 + BM, rk, n_rows, ss1, K, FOLD)
-            a1_1 += tl.dot(a, w1, input_precision=PREC)
-            a2_1 += tl.dot(a, w2, input_precision=PREC)
-            if FOLD:
-                ss1 += sq
+            a1_1, a2_1, ss1 = _tile_dots(x_ptr, nw_ptr, r0 + BM, rk, n_rows, ss1, w1, w2, a1_1, a2_1, K, FOLD, PREC)
         if NT > 2:
-            a, sq = _norm_in(x_ptr, nw_ptr, r0 + 2 * BM, rk, n_rows, ss2, K, FOLD)
-            a1_2 += tl.dot(a, w1, input_precision=PREC)
-            a2_2 += tl.dot(a, w2, input_precision=PREC)
-            if FOLD:
-                ss2 += sq
+            a1_2, a2_2, ss2 = _tile_dots(x_ptr, nw_ptr, r0 + 2 * BM, rk, n_rows, ss2, w1, w2, a1_2, a2_2, K, FOLD, PREC)
         if NT > 3:
-            a, sq = _norm_in(x_ptr, nw_ptr, r0 + 3 * BM, rk, n_rows, ss3, K, FOLD)
-            a1_3 += tl.dot(a, w1, input_precision=PREC)
-            a2_3 += tl.dot(a, w2, input_precision=PREC)
-            if FOLD:
-                ss3 += sq
-    if FOLD:
+            a1_3, a2_3, ss3 = _tile_dots(x_ptr, nw_ptr, r0 + 3 * BM, rk, n_rows, ss3, w1, w2, a1_3, a2_3, K, FOLD, PREC)
+    if FOLD:  # tiles past NT scale zeros
         r = (1.0 / tl.sqrt(ss0 / K + eps))[:, None]
         a1_0, a2_0 = a1_0 * r, a2_0 * r
         r = (1.0 / tl.sqrt(ss1 / K + eps))[:, None]
