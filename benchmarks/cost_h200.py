@@ -49,7 +49,7 @@ def main():
             c, tau, measured = cycle_costs(sm, mode)
             sec[mode] = {
                 "step_ms": round(c.step_ms, 4), "draft_ms": round(c.draft_ms, 4), "verify_ms": round(c.verify_ms, 4),
-                "other_ms": round(c.overhead_ms, 4), "cycle_ms": round(c.cycle_ms, 4), "cycle_over_step": round(c.break_even_tau, 3),
+                "other_ms": round(c.overhead_ms, 4), "cycle_ms": round(c.cycle_ms, 4),
                 "tau": tau, "predicted_speedup": round(c.speedup(tau), 3), "measured_decode_speedup": round(measured, 3),
                 "break_even_tau": round(c.break_even_tau, 3),
                 "tau_for_2x": round(c.tau_needed(2.0), 3), "tau_for_3x": round(c.tau_needed(3.0), 3),

@@ -345,8 +345,14 @@ def kernel_profile(run, top_n: int = 40) -> dict:
             "top": {e.key[:80]: [e.count, round(e.self_device_time_total / 1e3, 4)] for e in top}}
 
 
+# Triton engine variants: kernels.Tuning fields each sets (kernels.py is imported only when one is used:
+# its kernels read TRITON_INTERPRET when defined, which tests set before importing it)
+TRITON_VARIANTS = {"triton": {}, "triton_torch_commit": {"move_slots": False}, "triton_rt2": {"row_tiles": 2},
+                   "triton_rt3": {"row_tiles": 3}, "triton_rt4": {"row_tiles": 4}, "triton_cols32": {"cols": 32},
+                   "triton_cols64": {"cols": 64}, "triton_rt4_cols32": {"row_tiles": 4, "cols": 32},
+                   "triton_fold": {"fold_norm": True}, "triton_rt4_fold": {"row_tiles": 4, "fold_norm": True}}
 ENGINE_VARIANTS = ("graphs", "compiled", "compiled_model", "compiled_model_cdt", "compiled_sdpa", "compiled_autotune", "triton",
-                   "triton_sweep", "triton_rt2", "triton_rt4")
+                   "triton_sweep", "triton_rt2", "triton_rt4")  # engine's default --variants
 
 
 def optimize_for(model: Transformer, variant: str):
@@ -359,11 +365,9 @@ def optimize_for(model: Transformer, variant: str):
         model.optimize()
     elif variant in ("compiled", "compiled_autotune"):
         model.optimize("inductor")
-    elif variant == "triton":  # batch-1 short queries as five Triton kernels a layer (kernels.py), compiled layers otherwise
-        model.optimize("inductor", kernels="triton")
-    elif variant.startswith("triton_rt"):  # a matmul program computes up to N row tiles from one weight read (trees)
+    elif variant in TRITON_VARIANTS:  # batch-1 short queries as five Triton kernels a layer (kernels.py), compiled layers otherwise
         from draftsmith.kernels import Tuning
-        model.optimize("inductor", kernels="triton", tuning=Tuning(row_tiles=int(variant[len("triton_rt"):])))
+        model.optimize("inductor", kernels="triton", tuning=Tuning(**TRITON_VARIANTS[variant]))
     elif variant == "triton_sweep":  # the same, with the Tuning whose captured one-token step was fastest
         model.optimize("inductor", kernels="triton", tuning=sweep_tunings(model))
     elif variant == "compiled_sdpa":  # compiled layers, short queries through SDPA as well
@@ -706,7 +710,8 @@ def main():
                     help="bench: also the chain of 5 as a top-1 tree on the device-resident cycle (chain5_device)")
     ap.add_argument("--drafter-ab", action=argparse.BooleanOptionalAction, default=False,
                     help="bench: also time the tree with the drafter uncompiled (run 6 measured it: 0.96x vs 1.45x)")
-    ap.add_argument("--engine", default="compiled", choices=ENGINE_VARIANTS[1:], help="bench: how the SmolLM2 engine is optimised")
+    ap.add_argument("--engine", default="compiled", choices=sorted({*ENGINE_VARIANTS[1:], *TRITON_VARIANTS}),
+                    help="bench: how the SmolLM2 engine is optimised")
     ap.add_argument("--with-8b", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--gguf")
     ap.add_argument("--data")

@@ -13,6 +13,7 @@ the host-driven tree loop (tree_loop) too with --host-loop. Variants:
   triton_rt2/3/4       the same with Tuning(row_tiles=2/3/4): a 49-row pass reads each weight tile once
   triton_cols32/64     Tuning(cols=...) (columns a matmul program)
   triton_fold          Tuning(fold_norm=True): qkv and gate/up sum rstd in their matmul pass (no first pass over x)
+(the Triton ones are h200_run.TRITON_VARIANTS)
 
     python benchmarks/tree_cycle.py --variants compiled,triton_torch_commit,triton,triton_rt4 --out $OUT/tree-cycle.json
 The last stdout line is one JSON document (also written to --out).
@@ -33,21 +34,7 @@ from draftsmith.bench import git_commit  # noqa: E402
 from draftsmith.cudagraph import Graphs  # noqa: E402
 from draftsmith.decode import TreeSpec, decode_chain, decode_plain, decode_tree, tree_loop  # noqa: E402
 from draftsmith.draft import DraftConfig, Eagle3Drafter  # noqa: E402
-from draftsmith.kernels import Tuning  # noqa: E402
-from h200_run import SMOLLM2, random_model, step_times  # noqa: E402
-
-TUNINGS = {"triton": Tuning(), "triton_torch_commit": Tuning(move_slots=False), "triton_rt2": Tuning(row_tiles=2),
-           "triton_rt3": Tuning(row_tiles=3), "triton_rt4": Tuning(row_tiles=4), "triton_cols32": Tuning(cols=32),
-           "triton_cols64": Tuning(cols=64), "triton_rt4_cols32": Tuning(row_tiles=4, cols=32),
-           "triton_fold": Tuning(fold_norm=True), "triton_rt4_fold": Tuning(row_tiles=4, fold_norm=True)}
-
-
-def optimize(model, variant: str):
-    if variant == "compiled":
-        model.optimize("inductor")
-    else:
-        model.optimize("inductor", kernels="triton", tuning=TUNINGS[variant])
-
+from h200_run import SMOLLM2, TRITON_VARIANTS, optimize_for, random_model, step_times  # noqa: E402
 
 def spec_name(spec: TreeSpec) -> str:
     return f"{spec.topk}x{spec.steps}x{spec.num_draft_tokens}"
@@ -91,9 +78,9 @@ def main():
     ap.add_argument("--out", help="also write the JSON here")
     a = ap.parse_args()
     variants = a.variants.split(",")
-    unknown = [v for v in variants if v != "compiled" and v not in TUNINGS]
+    unknown = [v for v in variants if v != "compiled" and v not in TRITON_VARIANTS]
     if unknown:
-        raise SystemExit(f"unknown variants {unknown}: compiled or one of {sorted(TUNINGS)}")
+        raise SystemExit(f"unknown variants {unknown}: compiled or one of {sorted(TRITON_VARIANTS)} (h200_run.TRITON_VARIANTS)")
     torch.manual_seed(0)
     model = random_model(SMOLLM2)
     drafter = Eagle3Drafter(DraftConfig.from_target(SMOLLM2, 32000)).cuda().to(torch.bfloat16).eval()
@@ -111,7 +98,7 @@ def main():
     for variant in variants:
         t = time.perf_counter()
         try:
-            optimize(model, variant)
+            optimize_for(model, variant)
             with torch.no_grad():
                 res[variant] = measure(model, drafter, specs, a.chain, a.max_new, rows, a.host_loop)
         except Exception as e:  # noqa: BLE001 - recorded; the next variant still runs

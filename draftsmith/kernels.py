@@ -81,11 +81,17 @@ class Tuning:
 
 
 @triton.jit
+def _rows(a_ptr, rm, rk, n_rows, K: tl.constexpr):
+    """Rows rm (BM,), columns rk (BK,) of a row-major (n_rows, K) matrix; zeros outside."""
+    return tl.load(a_ptr + rm[:, None] * K + rk[None, :], mask=(rm[:, None] < n_rows) & (rk[None, :] < K), other=0.0)
+
+
+@triton.jit
 def _rstd(x_ptr, rm, n_rows, eps, K: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr):
     ss = tl.zeros([BM], dtype=tl.float32)
     for k0 in range(0, K, BK):
         rk = k0 + tl.arange(0, BK)
-        x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=(rm[:, None] < n_rows) & (rk[None, :] < K), other=0.0)
+        x = _rows(x_ptr, rm, rk, n_rows, K)
         x = x.to(tl.float32)
         ss += tl.sum(x * x, axis=1)
     return 1.0 / tl.sqrt(ss / K + eps)
@@ -95,7 +101,7 @@ def _rstd(x_ptr, rm, n_rows, eps, K: tl.constexpr, BK: tl.constexpr, BM: tl.cons
 def _normed(x_ptr, nw_ptr, rm, rk, n_rows, rstd, K: tl.constexpr):
     """RMSNorm's output tile (BM, BK), rounded as RMSNorm.forward rounds it: x * rstd in fp32, cast,
     times the weight in the model's dtype."""
-    x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=(rm[:, None] < n_rows) & (rk[None, :] < K), other=0.0)
+    x = _rows(x_ptr, rm, rk, n_rows, K)
     xn = (x.to(tl.float32) * rstd[:, None]).to(x.dtype)
     w = tl.load(nw_ptr + rk, mask=rk < K, other=0.0)
     return w[None, :] * xn
@@ -106,7 +112,7 @@ def _norm_in(x_ptr, nw_ptr, rm, rk, n_rows, rstd, K: tl.constexpr, FOLD: tl.cons
     """A matmul's input tile (BM, BK) of rmsnorm(x) and the tile's sum of squares (BM,). FOLD: the tile is
     weight * x, and the caller scales the product by rstd afterwards (one pass over x); else _normed."""
     if FOLD:
-        x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=(rm[:, None] < n_rows) & (rk[None, :] < K), other=0.0)
+        x = _rows(x_ptr, rm, rk, n_rows, K)
         w = tl.load(nw_ptr + rk, mask=rk < K, other=0.0)
         xf = x.to(tl.float32)
         return w[None, :] * x, tl.sum(xf * xf, axis=1)
@@ -275,11 +281,6 @@ def _attention(q_ptr, kc_ptr, vc_ptr, m_ptr, slot_ptr, o_ptr, n_rows, S, m_row, 
         m_i = m_new
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(o_ptr + (t * H + head)[:, None] * D + rd[None, :], out.to(dt), mask=ok[:, None])
-
-
-@triton.jit
-def _rows(a_ptr, rm, rk, n_rows, K: tl.constexpr):
-    return tl.load(a_ptr + rm[:, None] * K + rk[None, :], mask=(rm[:, None] < n_rows) & (rk[None, :] < K), other=0.0)
 
 
 @triton.jit
