@@ -350,7 +350,9 @@ def kernel_profile(run, top_n: int = 40) -> dict:
 TRITON_VARIANTS = {"triton": {}, "triton_torch_commit": {"move_slots": False}, "triton_rt2": {"row_tiles": 2},
                    "triton_rt3": {"row_tiles": 3}, "triton_rt4": {"row_tiles": 4}, "triton_cols32": {"cols": 32},
                    "triton_cols64": {"cols": 64}, "triton_rt4_cols32": {"row_tiles": 4, "cols": 32},
-                   "triton_fold": {"fold_norm": True}, "triton_rt4_fold": {"row_tiles": 4, "fold_norm": True}}
+                   "triton_fold": {"fold_norm": True}, "triton_rt4_fold": {"row_tiles": 4, "fold_norm": True},
+                   "triton_split64": {"split": 64}, "triton_split128": {"split": 128}, "triton_split256": {"split": 256},
+                   "triton_rt4_split128": {"row_tiles": 4, "split": 128}}
 ENGINE_VARIANTS = ("graphs", "compiled", "compiled_model", "compiled_model_cdt", "compiled_sdpa", "compiled_autotune", "triton",
                    "triton_sweep", "triton_rt2", "triton_rt4")  # engine's default --variants
 

@@ -13,6 +13,8 @@ the host-driven tree loop (tree_loop) too with --host-loop. Variants:
   triton_rt2/3/4       the same with Tuning(row_tiles=2/3/4): a 49-row pass reads each weight tile once
   triton_cols32/64     Tuning(cols=...) (columns a matmul program)
   triton_fold          Tuning(fold_norm=True): qkv and gate/up sum rstd in their matmul pass (no first pass over x)
+  triton_split64/128/256  Tuning(split=...): attention split over the cache in chunks of that many slots, then merged
+                       (flash-decoding; one program a kv head walks every slot otherwise: 3 programs for SmolLM2)
 (the Triton ones are h200_run.TRITON_VARIANTS)
 
     python benchmarks/tree_cycle.py --variants compiled,triton_torch_commit,triton,triton_rt4 --out $OUT/tree-cycle.json

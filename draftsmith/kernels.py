@@ -5,6 +5,7 @@ At batch 1 SmolLM2-135M's compiled decode step is ~560 kernels of ~2 us each on 
 
   1. rmsnorm -> qkv matmul -> rotary on q and k -> k and v written into their cache slots
   2. attention of every query row over the cache slots up to the last one written, under the mask
+     (or, with Tuning.split, two: chunks of the cache in parallel, then their partial softmaxes merged)
   3. o_proj + residual
   4. rmsnorm -> gate/up matmul -> silu(gate) * up
   5. down_proj + residual
@@ -56,6 +57,9 @@ class Tuning:
     stages: int = 0  # the matmul kernels' software-pipelining depth (num_stages); 0: Triton's default
     fold_norm: bool = False  # qkv and gate/up: rstd summed in the matmul's own pass over x (_normed_dots), not a first pass
     pairs: int = 16  # rotary pairs (d, d + D/2) a qkv program computes: 2 x pairs output columns of one head
+    # attention split over the cache (flash-decoding): slots a program, its partial softmaxes merged by a
+    # sixth kernel; 0: one program a kv head and row block walks every slot (SmolLM2: 3 programs a step)
+    split: int = 0
 
     def __post_init__(self):
         for name in ("bk_max", "slots"):
@@ -68,6 +72,8 @@ class Tuning:
             raise ValueError(f"Tuning.row_tiles must be 1 to 4 (MAX_T / ROWS), got {self.row_tiles}")
         if self.cols and (self.cols < 16 or self.cols & (self.cols - 1)):
             raise ValueError(f"Tuning.cols must be 0 (automatic) or a power of 2 >= 16, got {self.cols}")
+        if self.split and (self.split < 16 or self.split & (self.split - 1)):
+            raise ValueError(f"Tuning.split must be 0 (no split) or a power of 2 >= 16, got {self.split}")
         if self.pairs < 16 or self.pairs & (self.pairs - 1):
             raise ValueError(f"Tuning.pairs must be a power of 2 >= 16, got {self.pairs}")
         if not 0 <= self.stages <= 8:
@@ -245,25 +251,17 @@ def _qkv_rope_cache(x_ptr, nw_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, slot_ptr, q_p
 
 
 @triton.jit
-def _attention(q_ptr, kc_ptr, vc_ptr, m_ptr, slot_ptr, o_ptr, n_rows, S, m_row, m_col, scale,
-               H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr,
-               TMAX: tl.constexpr, PREC: tl.constexpr):
-    # program (kv head, row block); a row is (token t, query head of this kv head's group)
-    REP: tl.constexpr = H // KV
-    j = tl.program_id(0)
-    r = tl.program_id(1) * BM + tl.arange(0, BM)
-    t = r // REP
-    head = j * REP + r % REP
-    ok = t < n_rows
+def _attend(q, kc_ptr, vc_ptr, m_ptr, t, ok, j, S, m_row, m_col, scale, lo, hi, D: tl.constexpr, BS: tl.constexpr,
+            BM: tl.constexpr, PREC: tl.constexpr):
+    """Online softmax of query rows q (BM, D) of kv head j over cache slots lo..hi-1 under the mask:
+    (running max, sum of exponentials, unnormalised output). Masked slots add exact zeros, so a row's
+    result does not depend on how far past its own slot hi reaches."""
     rd = tl.arange(0, D)
-    q = tl.load(q_ptr + (t * H + head)[:, None] * D + rd[None, :], mask=ok[:, None], other=0.0)
-    rt = tl.arange(0, TMAX)
-    hi = tl.max(tl.load(slot_ptr + rt, mask=rt < n_rows, other=0), axis=0) + 1  # slots past the last written are hidden
     m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BM], dtype=tl.float32)
     acc = tl.zeros([BM, D], dtype=tl.float32)
     dt = q.dtype
-    for s0 in range(0, hi, BS):
+    for s0 in range(lo, hi, BS):
         rs = s0 + tl.arange(0, BS)
         inside = rs < hi
         kv_at = (j * S + rs)[:, None] * D + rd[None, :]
@@ -279,8 +277,77 @@ def _attention(q_ptr, kc_ptr, vc_ptr, m_ptr, slot_ptr, o_ptr, n_rows, S, m_row, 
         v = tl.load(vc_ptr + kv_at, mask=inside[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(dt), v, input_precision=PREC)
         m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _query_rows(q_ptr, slot_ptr, n_rows, H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
+                TMAX: tl.constexpr):
+    """An attention program's rows (token t, query head of kv head program_id(0)'s group) of row block
+    program_id(1): t, head, which are real, their q (BM, D), and hi: slots past the last one written are hidden."""
+    REP: tl.constexpr = H // KV
+    r = tl.program_id(1) * BM + tl.arange(0, BM)
+    t = r // REP
+    head = tl.program_id(0) * REP + r % REP
+    ok = t < n_rows
+    q = tl.load(q_ptr + (t * H + head)[:, None] * D + tl.arange(0, D)[None, :], mask=ok[:, None], other=0.0)
+    rt = tl.arange(0, TMAX)
+    hi = tl.max(tl.load(slot_ptr + rt, mask=rt < n_rows, other=0), axis=0) + 1
+    return t, head, ok, q, hi
+
+
+@triton.jit
+def _attention(q_ptr, kc_ptr, vc_ptr, m_ptr, slot_ptr, o_ptr, n_rows, S, m_row, m_col, scale,
+               H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr,
+               TMAX: tl.constexpr, PREC: tl.constexpr):
+    # program (kv head, row block); a row is (token t, query head of this kv head's group)
+    t, head, ok, q, hi = _query_rows(q_ptr, slot_ptr, n_rows, H, KV, D, BM, TMAX)
+    m_i, l_i, acc = _attend(q, kc_ptr, vc_ptr, m_ptr, t, ok, tl.program_id(0), S, m_row, m_col, scale, 0, hi, D, BS, BM, PREC)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(o_ptr + (t * H + head)[:, None] * D + rd[None, :], out.to(dt), mask=ok[:, None])
+    rd = tl.arange(0, D)
+    tl.store(o_ptr + (t * H + head)[:, None] * D + rd[None, :], out.to(q.dtype), mask=ok[:, None])
+
+
+@triton.jit
+def _attention_part(q_ptr, kc_ptr, vc_ptr, m_ptr, slot_ptr, pm_ptr, pl_ptr, pacc_ptr, n_rows, S, m_row, m_col, scale,
+                    H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr,
+                    TMAX: tl.constexpr, CH: tl.constexpr, PREC: tl.constexpr):
+    # split-KV (flash-decoding): program (kv head, row block, chunk c of CH slots) attends over its chunk
+    # and writes the running max, sum and unnormalised output for _attention_merge; chunks at or past
+    # hi write nothing (the merge reads only the chunks below hi)
+    t, head, ok, q, hi = _query_rows(q_ptr, slot_ptr, n_rows, H, KV, D, BM, TMAX)
+    c = tl.program_id(2)
+    lo = c * CH
+    if lo < hi:
+        m_i, l_i, acc = _attend(q, kc_ptr, vc_ptr, m_ptr, t, ok, tl.program_id(0), S, m_row, m_col, scale, lo,
+                                tl.minimum(lo + CH, hi), D, BS, BM, PREC)
+        at = c * n_rows * H + t * H + head  # partials (chunks, T, H[, D])
+        tl.store(pm_ptr + at, m_i, mask=ok)
+        tl.store(pl_ptr + at, l_i, mask=ok)
+        tl.store(pacc_ptr + at[:, None] * D + tl.arange(0, D)[None, :], acc, mask=ok[:, None])
+
+
+@triton.jit
+def _attention_merge(pm_ptr, pl_ptr, pacc_ptr, slot_ptr, o_ptr, n_rows, H: tl.constexpr, D: tl.constexpr,
+                     CH: tl.constexpr, NCP: tl.constexpr, TMAX: tl.constexpr):
+    # program (row = token t * H + head): the chunks' partial softmaxes as one. All chunks below hi are
+    # read, in chunk order; a chunk a row cannot see holds (-inf, 0, 0) and adds exact zeros, so a row's
+    # bits are the same in a one-token step as in a verify pass at the same slot.
+    row = tl.program_id(0)
+    rt = tl.arange(0, TMAX)
+    hi = tl.max(tl.load(slot_ptr + rt, mask=rt < n_rows, other=0), axis=0) + 1
+    c = tl.arange(0, NCP)
+    real = c < tl.cdiv(hi, CH)
+    at = c * n_rows * H + row
+    m = tl.load(pm_ptr + at, mask=real, other=float("-inf"))
+    l = tl.load(pl_ptr + at, mask=real, other=0.0)
+    rd = tl.arange(0, D)
+    acc = tl.load(pacc_ptr + at[:, None] * D + rd[None, :], mask=real[:, None], other=0.0)
+    top = tl.max(m, axis=0)
+    w = tl.exp(m - tl.where(top == float("-inf"), 0.0, top))
+    den = tl.sum(w * l, axis=0)
+    out = tl.sum(w[:, None] * acc, axis=0) / tl.where(den == 0.0, 1.0, den)
+    tl.store(o_ptr + row * D + rd, out.to(o_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -407,6 +474,27 @@ def _block(n: int, want_programs: int = 128) -> int:
     return 16 if n // 32 < want_programs else 32
 
 
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, input_pos: torch.Tensor,
+              out: torch.Tensor, tuning: Tuning = Tuning()):
+    """out (T, H * D) = attention of q (T, H, D) over caches k, v (1, KV, S, D) under mask (T, S), reading
+    the slots up to the largest in input_pos; in one kernel, or split over the cache (Tuning.split)."""
+    T, h, D = q.shape
+    kv, S = k.shape[1], k.shape[2]
+    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    grid, bs = (kv, triton.cdiv(T * (h // kv), ROWS)), tuning.slots_for(q.element_size())
+    common = dict(H=h, KV=kv, D=D, BM=ROWS, TMAX=MAX_T, PREC=prec, num_warps=tuning.warps)
+    if not tuning.split:
+        _attention[grid](q, k, v, mask, input_pos, out, T, S, mask.stride(0), mask.stride(1), D**-0.5, BS=bs, **common)
+        return
+    chunks = triton.cdiv(S, tuning.split)
+    pm, pl = (torch.empty(chunks, T, h, dtype=torch.float32, device=q.device) for _ in range(2))
+    pacc = torch.empty(chunks, T, h, D, dtype=torch.float32, device=q.device)
+    _attention_part[(*grid, chunks)](q, k, v, mask, input_pos, pm, pl, pacc, T, S, mask.stride(0), mask.stride(1), D**-0.5,
+                                      BS=min(bs, tuning.split), CH=tuning.split, **common)
+    _attention_merge[(T * h,)](pm, pl, pacc, input_pos, out, T, H=h, D=D, CH=tuning.split,
+                               NCP=triton.next_power_of_2(chunks), TMAX=MAX_T)
+
+
 def layer_forward(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: torch.Tensor,
                   mask: torch.Tensor, tuning: Tuning = Tuning()) -> torch.Tensor:
     """DecoderLayer.forward for x (1, T, H) at cache slots input_pos (T,) under mask (1, 1, T, S)."""
@@ -432,10 +520,7 @@ def layer_forward(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
         cache.k, cache.v, T, S, layer.input_layernorm.eps, K=Hd, D=D, H=h, KV=kv, BP=bp, BK=bk, BM=ROWS, NT=nt,
         FOLD=tuning.fold_norm, HAS_BIAS=bias is not None, PREC=prec, num_warps=nw, **staged)
     o = torch.empty(T, h * D, dtype=x.dtype, device=x.device)
-    m = mask[0, 0]  # (T, S)
-    _attention[(kv, triton.cdiv(T * (h // kv), ROWS))](
-        q, cache.k, cache.v, m, input_pos, o, T, S, m.stride(0), m.stride(1), D**-0.5, H=h, KV=kv, D=D,
-        BS=tuning.slots_for(size), BM=ROWS, TMAX=MAX_T, PREC=prec, num_warps=nw)
+    attention(q, cache.k, cache.v, mask[0, 0], input_pos, o, tuning)
     h1 = torch.empty_like(x2)
     bn = tuning.cols or _block(Hd)
     _linear_residual[(triton.cdiv(Hd, bn), rows)](o, attn.o_proj.weight, x2, h1, T, K=h * D, N=Hd, BN=bn, BK=tuning.bk(h * D, size),

@@ -45,11 +45,12 @@ def run_both(layer, x, cos, sin, pos, mask, tuning=kernels.Tuning()):
 # compute several row tiles from one weight read, which only a pass of more than 16 rows ("tree40") has
 TUNINGS = {"default": kernels.Tuning(), "small-tiles": kernels.Tuning(bk_max=16, slots=16, warps=2),
            "row-tiles": kernels.Tuning(row_tiles=4), "3-row-tiles-cols32": kernels.Tuning(bk_max=32, slots=32, row_tiles=3, cols=32, stages=2),
-           "fold-norm": kernels.Tuning(fold_norm=True), "fold-norm-small-row-tiles": kernels.Tuning(bk_max=16, row_tiles=4, fold_norm=True)}
+           "fold-norm": kernels.Tuning(fold_norm=True), "fold-norm-small-row-tiles": kernels.Tuning(bk_max=16, row_tiles=4, fold_norm=True),
+           "split16": kernels.Tuning(split=16, slots=16), "split32-row-tiles": kernels.Tuning(split=32, row_tiles=4)}
 
 
 @pytest.mark.parametrize("bad", [dict(bk_max=48), dict(slots=8), dict(warps=3), dict(row_tiles=5), dict(cols=24), dict(stages=9),
-                                 dict(pairs=24)])
+                                 dict(pairs=24), dict(split=24)])
 def test_a_tuning_the_kernels_cannot_take_is_refused_naming_the_field(bad):
     with pytest.raises(ValueError, match=f"Tuning.{next(iter(bad))} must be"):
         kernels.Tuning(**bad)
@@ -191,9 +192,36 @@ def test_wider_qkv_programs_match_the_torch_layer(pairs, fold_norm):
         torch.testing.assert_close(v, vr, atol=2e-5, rtol=2e-5)
 
 
-def test_speculative_decoding_on_the_kernels_equals_plain_greedy():
+ATTENTION_TUNINGS = {"one-block": kernels.Tuning(), "blocks16": kernels.Tuning(slots=16), "split16": kernels.Tuning(split=16, slots=16),
+                     "split32": kernels.Tuning(split=32)}
+
+
+@pytest.mark.parametrize("tuning", ATTENTION_TUNINGS.values(), ids=ATTENTION_TUNINGS.keys())
+def test_a_rows_attention_does_not_depend_on_how_far_its_pass_reaches(tuning):
+    """Attention reads slots up to the largest one the pass writes. A row's output must not change when
+    another row of its pass reaches further (more slot blocks, or more split chunks merged): what a
+    verify pass gives a token equals what a one-token step at its slot gives it. Rows stay where they
+    are in their tile, so this holds on the interpreter too (row-position bits are the dot's business)."""
+    g = torch.Generator().manual_seed(8)
+    T, h, kv, D = 3, 2, 1, 32
+    q = torch.randn(T, h, D, generator=g)
+    k, v = torch.randn(1, kv, S, D, generator=g), torch.randn(1, kv, S, D, generator=g)
+    outs = []
+    for last in (12, 50):  # row 2 at slot 12 (hi 13), or at slot 50 (hi 51: three more blocks of 16)
+        pos = torch.tensor([10, 11, last])
+        out = torch.empty(T, h * D)
+        kernels.attention(q, k, v, causal_mask(pos, S)[0, 0], pos, out, tuning)
+        ref = torch.softmax((q.transpose(0, 1) @ k[0].transpose(1, 2)) * D**-0.5 + torch.where(causal_mask(pos, S)[0], 0.0, float("-inf")), -1) @ v[0]
+        torch.testing.assert_close(out.view(T, h, D), ref.transpose(0, 1), atol=2e-5, rtol=2e-5)
+        outs.append(out)
+    assert torch.equal(outs[0][:2], outs[1][:2])
+    assert not torch.equal(outs[0][2], outs[1][2])
+
+
+@pytest.mark.parametrize("tuning", [kernels.Tuning(), kernels.Tuning(split=16, slots=16)], ids=["default", "split16"])
+def test_speculative_decoding_on_the_kernels_equals_plain_greedy(tuning):
     eager = kernel_target(layers=4)  # a drafter reads three distinct aux layers
-    model = kernel_target(layers=4).optimize(kernels="triton")
+    model = kernel_target(layers=4).optimize(kernels="triton", tuning=tuning)
     drafter = tiny_drafter(model, draft_vocab=200)
     prompt = torch.randint(3, 320, (1, 8), generator=torch.Generator().manual_seed(3))
     reference = decode_plain(eager, prompt, 16).tokens
@@ -238,15 +266,17 @@ SMOLLM2_WIDTHS = dict(hidden_size=576, num_attention_heads=9, num_key_value_head
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("row_tiles,compiled", [(1, False), (4, True)], ids=["default", "row-tiles4-fold-compiled-drafter"])
-def test_fp32_speculation_on_cuda_kernels_at_smollm2_widths_equals_plain(row_tiles, compiled):
+@pytest.mark.parametrize("row_tiles,compiled,split", [(1, False, 0), (4, True, 0), (1, False, 128)],
+                         ids=["default", "row-tiles4-fold-compiled-drafter", "split128"])
+def test_fp32_speculation_on_cuda_kernels_at_smollm2_widths_equals_plain(row_tiles, compiled, split):
     """The device bench's fp32 exactness check, at SmolLM2's widths with the default Tuning under CUDA
     graphs: the fp32 tiles must fit an SM (the bench's fp32 check once died of OutOfResources) and a
     token's bits must not depend on the pass it is in. Also with 4 row tiles a program and the drafter
-    compiled as bench compiles it (its steps and the verify cycle's acceptance and catch-up)."""
+    compiled as bench compiles it (its steps and the verify cycle's acceptance and catch-up), and with
+    attention split over the cache (two 128-slot chunks)."""
     from draftsmith.cudagraph import Graphs
 
-    tuning = kernels.Tuning(row_tiles=row_tiles, fold_norm=compiled)
+    tuning = kernels.Tuning(row_tiles=row_tiles, fold_norm=compiled, split=split)
     model = tiny_native(layers=4, **SMOLLM2_WIDTHS).optimize(kernels="triton", tuning=tuning)
     drafter = tiny_drafter(model, draft_vocab=200).cuda()
     if compiled:
@@ -264,9 +294,9 @@ def test_fp32_speculation_on_cuda_kernels_at_smollm2_widths_equals_plain(row_til
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("fold_norm", [False, True], ids=["norm-pass", "fold-norm"])
+@pytest.mark.parametrize("fold_norm,split", [(False, 0), (True, 0), (False, 256)], ids=["norm-pass", "fold-norm", "split256"])
 @pytest.mark.parametrize("T", [1, 8, 49])
-def test_bf16_kernels_fit_and_match_at_the_llama8b_layer_shape(T, fold_norm):
+def test_bf16_kernels_fit_and_match_at_the_llama8b_layer_shape(T, fold_norm, split):
     """One Llama-3.1-8B-shaped layer (4096 wide, 32 heads of 128, 8 kv heads, 14336 MLP) with the
     default Tuning, for a decode step, a chain verify and a 49-node tree's row count: it compiles (its
     tiles fit an SM) and its bf16 output is as close to the layer computed in fp32 (same bf16 weights,
@@ -291,7 +321,7 @@ def test_bf16_kernels_fit_and_match_at_the_llama8b_layer_shape(T, fold_norm):
     x = torch.randn(1, T, 4096, device="cuda", dtype=torch.bfloat16)
     exact = layer32(x.float(), *model32.rotary(pos[None], torch.float32), pos, mask)
     cos, sin = model.rotary(pos[None], x.dtype)
-    ref, (kr, vr), out, (k, v) = run_both(layer, x, cos, sin, pos, mask, kernels.Tuning(fold_norm=fold_norm))
+    ref, (kr, vr), out, (k, v) = run_both(layer, x, cos, sin, pos, mask, kernels.Tuning(fold_norm=fold_norm, split=split))
     torch_err = (ref.float() - exact).abs().max()
     kernel_err = (out.float() - exact).abs().max()
     assert kernel_err <= 2 * torch_err + 1e-3 * exact.abs().max(), (kernel_err, torch_err, exact.abs().max())

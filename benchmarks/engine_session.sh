@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Issue 3's engine measurements as one job on the device machine, each step under its own time limit
+# and writing under OUT as it goes (a step that fails or runs out of time does not stop the next):
+#   1. the GPU tests of the kernels and decoding                          -> OUT/pytest-gpu.txt
+#   2. tree_cycle.py: the SmolLM2 shape's target pass by rows, plain decoding, the host chain and the
+#      device-resident tree cycle, engine variant by engine variant       -> OUT/tree-cycle.json
+#   3. h200_run.py engine: the Llama-3.1-8B shape's Tuning sweep          -> OUT/engine.json
+# Run it detached and fetch as it goes (device_bg.sh), e.g. in the first call:
+#   bash benchmarks/device_bg.sh start bash benchmarks/engine_session.sh /tmp/pipe/out
+# then in later calls:  bash benchmarks/device_bg.sh wait 540 /tmp/pipe/out/done
+#                       bash benchmarks/device_bg.sh fetch pytest-gpu.txt tree-cycle.json engine.json steps.txt
+# usage: bash benchmarks/engine_session.sh OUT [VARIANTS] [SWEEP]
+set -uo pipefail
+out=${1:?usage: engine_session.sh OUT [VARIANTS] [SWEEP]}
+variants=${2:-compiled,triton_torch_commit,triton,triton_rt4,triton_split128,triton_rt4_split128}
+sweep=${3:-"bk_max=256;stages=0,3;pairs=16,32;fold_norm=0,1;split=0,256"}  # 16 tunings
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+step() {  # step NAME SECONDS CMD...: runs CMD, records its exit status and wall time in OUT/steps.txt
+  local name=$1 limit=$2 t0
+  shift 2
+  t0=$(date +%s)
+  echo "== $name: $*" | tee -a "$out/steps.txt"
+  timeout "$limit" "$@"
+  echo "== $name: rc $? after $(( $(date +%s) - t0 )) s" | tee -a "$out/steps.txt"
+}
+echo "commit ${DRAFTSMITH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)} $(date -u +%FT%TZ)" >"$out/steps.txt"
+step pytest-gpu 300 bash -c "set -o pipefail; python3 -m pytest -q -m gpu tests/test_kernels.py tests/test_decode.py -rs 2>&1 | tee '$out/pytest-gpu.txt'"
+step tree-cycle 720 python3 benchmarks/tree_cycle.py --variants "$variants" --out "$out/tree-cycle.json"
+step engine-8b 600 python3 benchmarks/h200_run.py engine --sections llama8b_shape --variants compiled,triton,triton_sweep \
+  --sweep "$sweep" --rows 1,8,49 --out "$out"
+touch "$out/done"
