@@ -15,6 +15,7 @@ the host-driven tree loop (tree_loop) too with --host-loop. Variants:
   triton_fold          Tuning(fold_norm=True): qkv and gate/up sum rstd in their matmul pass (no first pass over x)
   triton_split64/128/256  Tuning(split=...): attention split over the cache in chunks of that many slots, then merged
                        (flash-decoding; one program a kv head walks every slot otherwise: 3 programs for SmolLM2)
+  triton_split128_fused  the same, merged by o_proj as it reads its input (Tuning(fuse_merge=True): no merge kernel)
 (the Triton ones are h200_run.TRITON_VARIANTS)
 
     python benchmarks/tree_cycle.py --variants compiled,triton_torch_commit,triton,triton_rt4 --out $OUT/tree-cycle.json

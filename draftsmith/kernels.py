@@ -5,7 +5,8 @@ At batch 1 SmolLM2-135M's compiled decode step is ~560 kernels of ~2 us each on 
 
   1. rmsnorm -> qkv matmul -> rotary on q and k -> k and v written into their cache slots
   2. attention of every query row over the cache slots up to the last one written, under the mask
-     (or, with Tuning.split, two: chunks of the cache in parallel, then their partial softmaxes merged)
+     (or, with Tuning.split, two: chunks of the cache in parallel, then their partial softmaxes merged;
+     with Tuning.fuse_merge the merge is o_proj's, as it reads its input)
   3. o_proj + residual
   4. rmsnorm -> gate/up matmul -> silu(gate) * up
   5. down_proj + residual
@@ -60,6 +61,7 @@ class Tuning:
     # attention split over the cache (flash-decoding): slots a program, its partial softmaxes merged by a
     # sixth kernel; 0: one program a kv head and row block walks every slot (SmolLM2: 3 programs a step)
     split: int = 0
+    fuse_merge: bool = False  # with split: o_proj merges the chunks as it reads its input (no merge kernel)
 
     def __post_init__(self):
         for name in ("bk_max", "slots"):
@@ -74,6 +76,8 @@ class Tuning:
             raise ValueError(f"Tuning.cols must be 0 (automatic) or a power of 2 >= 16, got {self.cols}")
         if self.split and (self.split < 16 or self.split & (self.split - 1)):
             raise ValueError(f"Tuning.split must be 0 (no split) or a power of 2 >= 16, got {self.split}")
+        if self.fuse_merge and not self.split:
+            raise ValueError("Tuning.fuse_merge must be False without a split (Tuning.split > 0): there is nothing to merge")
         if self.pairs < 16 or self.pairs & (self.pairs - 1):
             raise ValueError(f"Tuning.pairs must be a power of 2 >= 16, got {self.pairs}")
         if not 0 <= self.stages <= 8:
@@ -359,12 +363,50 @@ def _residual_out(acc, r_ptr, y_ptr, rm, rn, n_rows, N: tl.constexpr):
 
 
 @triton.jit
-def _linear_residual(a_ptr, w_ptr, r_ptr, y_ptr, n_rows, K: tl.constexpr, N: tl.constexpr, BN: tl.constexpr,
-                     BK: tl.constexpr, BM: tl.constexpr, NT: tl.constexpr, PREC: tl.constexpr):
+def _merged(a_ptr, pm_ptr, pl_ptr, pacc_ptr, rm, rk, n_rows, nc, K: tl.constexpr, D: tl.constexpr):
+    """Rows rm, columns rk of the attention output (T, K = H * D) from _attention_part's first nc chunks,
+    merged in chunk order as _attention_merge merges them and rounded to a's dtype (the tile _rows would read)."""
+    H: tl.constexpr = K // D
+    inside = (rm[:, None] < n_rows) & (rk[None, :] < K)
+    at_h = rm[:, None] * H + (rk // D)[None, :]  # each column's (row, head)
+    at = rm[:, None] * K + rk[None, :]
+    top = tl.full(at.shape, float("-inf"), dtype=tl.float32)
+    num = tl.zeros(at.shape, dtype=tl.float32)
+    den = tl.zeros(at.shape, dtype=tl.float32)
+    for c in range(0, nc):  # a chunk a row cannot see holds (-inf, 0, 0): an exact no-op
+        m = tl.load(pm_ptr + c * n_rows * H + at_h, mask=inside, other=float("-inf"))
+        l = tl.load(pl_ptr + c * n_rows * H + at_h, mask=inside, other=0.0)
+        acc = tl.load(pacc_ptr + c * n_rows * K + at, mask=inside, other=0.0)
+        new = tl.maximum(top, m)
+        use = tl.where(new == float("-inf"), 0.0, new)
+        alpha, w = tl.exp(top - use), tl.exp(m - use)
+        num = num * alpha + w * acc
+        den = den * alpha + w * l
+        top = new
+    return (num / tl.where(den == 0.0, 1.0, den)).to(a_ptr.dtype.element_ty)
+
+
+@triton.jit
+def _a_tile(a_ptr, pm_ptr, pl_ptr, pacc_ptr, rm, rk, n_rows, nc, K: tl.constexpr, D: tl.constexpr, MERGE: tl.constexpr):
+    if MERGE:
+        return _merged(a_ptr, pm_ptr, pl_ptr, pacc_ptr, rm, rk, n_rows, nc, K, D)
+    else:
+        return _rows(a_ptr, rm, rk, n_rows, K)
+
+
+@triton.jit
+def _linear_residual(a_ptr, w_ptr, r_ptr, y_ptr, n_rows, pm_ptr, pl_ptr, pacc_ptr, slot_ptr, K: tl.constexpr,
+                     N: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, NT: tl.constexpr,
+                     PREC: tl.constexpr, MERGE: tl.constexpr, D: tl.constexpr, CH: tl.constexpr, TMAX: tl.constexpr):
     # y = r + a @ w^T, program (column block, NT row tiles). A weight tile read once serves NT row tiles;
-    # each tile is its own BM-row dot, so a row's arithmetic does not depend on NT.
+    # each tile is its own BM-row dot, so a row's arithmetic does not depend on NT. MERGE: a is the
+    # attention output, read from split attention's partials (_merged; Tuning.fuse_merge).
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     r0 = tl.program_id(1) * (NT * BM) + tl.arange(0, BM)
+    nc = 0
+    if MERGE:  # the chunks _attention_part wrote: those below the last slot written
+        rt = tl.arange(0, TMAX)
+        nc = tl.cdiv(tl.max(tl.load(slot_ptr + rt, mask=rt < n_rows, other=0), axis=0) + 1, CH)
     acc0 = tl.zeros([BM, BN], dtype=tl.float32)
     if NT > 1:
         acc1 = tl.zeros([BM, BN], dtype=tl.float32)
@@ -375,13 +417,13 @@ def _linear_residual(a_ptr, w_ptr, r_ptr, y_ptr, n_rows, K: tl.constexpr, N: tl.
     for k0 in range(0, K, BK):
         rk = k0 + tl.arange(0, BK)
         w = tl.trans(tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0))
-        acc0 += tl.dot(_rows(a_ptr, r0, rk, n_rows, K), w, input_precision=PREC)
+        acc0 += tl.dot(_a_tile(a_ptr, pm_ptr, pl_ptr, pacc_ptr, r0, rk, n_rows, nc, K, D, MERGE), w, input_precision=PREC)
         if NT > 1:
-            acc1 += tl.dot(_rows(a_ptr, r0 + BM, rk, n_rows, K), w, input_precision=PREC)
+            acc1 += tl.dot(_a_tile(a_ptr, pm_ptr, pl_ptr, pacc_ptr, r0 + BM, rk, n_rows, nc, K, D, MERGE), w, input_precision=PREC)
         if NT > 2:
-            acc2 += tl.dot(_rows(a_ptr, r0 + 2 * BM, rk, n_rows, K), w, input_precision=PREC)
+            acc2 += tl.dot(_a_tile(a_ptr, pm_ptr, pl_ptr, pacc_ptr, r0 + 2 * BM, rk, n_rows, nc, K, D, MERGE), w, input_precision=PREC)
         if NT > 3:
-            acc3 += tl.dot(_rows(a_ptr, r0 + 3 * BM, rk, n_rows, K), w, input_precision=PREC)
+            acc3 += tl.dot(_a_tile(a_ptr, pm_ptr, pl_ptr, pacc_ptr, r0 + 3 * BM, rk, n_rows, nc, K, D, MERGE), w, input_precision=PREC)
     _residual_out(acc0, r_ptr, y_ptr, r0, rn, n_rows, N)
     if NT > 1:
         _residual_out(acc1, r_ptr, y_ptr, r0 + BM, rn, n_rows, N)
@@ -475,9 +517,10 @@ def _block(n: int, want_programs: int = 128) -> int:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, input_pos: torch.Tensor,
-              out: torch.Tensor, tuning: Tuning = Tuning()):
+              out: torch.Tensor, tuning: Tuning = Tuning(), merge: bool = True):
     """out (T, H * D) = attention of q (T, H, D) over caches k, v (1, KV, S, D) under mask (T, S), reading
-    the slots up to the largest in input_pos; in one kernel, or split over the cache (Tuning.split)."""
+    the slots up to the largest in input_pos; in one kernel, or split over the cache (Tuning.split).
+    A split without merge writes no out and returns the chunks' partials (max, sum, output) for o_proj."""
     T, h, D = q.shape
     kv, S = k.shape[1], k.shape[2]
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
@@ -491,6 +534,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     pacc = torch.empty(chunks, T, h, D, dtype=torch.float32, device=q.device)
     _attention_part[(*grid, chunks)](q, k, v, mask, input_pos, pm, pl, pacc, T, S, mask.stride(0), mask.stride(1), D**-0.5,
                                       BS=min(bs, tuning.split), CH=tuning.split, **common)
+    if not merge:
+        return pm, pl, pacc
     _attention_merge[(T * h,)](pm, pl, pacc, input_pos, out, T, H=h, D=D, CH=tuning.split,
                                NCP=triton.next_power_of_2(chunks), TMAX=MAX_T)
 
@@ -520,17 +565,20 @@ def layer_forward(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
         cache.k, cache.v, T, S, layer.input_layernorm.eps, K=Hd, D=D, H=h, KV=kv, BP=bp, BK=bk, BM=ROWS, NT=nt,
         FOLD=tuning.fold_norm, HAS_BIAS=bias is not None, PREC=prec, num_warps=nw, **staged)
     o = torch.empty(T, h * D, dtype=x.dtype, device=x.device)
-    attention(q, cache.k, cache.v, mask[0, 0], input_pos, o, tuning)
+    parts = attention(q, cache.k, cache.v, mask[0, 0], input_pos, o, tuning, merge=not tuning.fuse_merge)
     h1 = torch.empty_like(x2)
     bn = tuning.cols or _block(Hd)
-    _linear_residual[(triton.cdiv(Hd, bn), rows)](o, attn.o_proj.weight, x2, h1, T, K=h * D, N=Hd, BN=bn, BK=tuning.bk(h * D, size),
-                                                   BM=ROWS, NT=nt, PREC=prec, num_warps=nw, **staged)
+    _linear_residual[(triton.cdiv(Hd, bn), rows)](o, attn.o_proj.weight, x2, h1, T, *(parts or (o, o, o)), input_pos, K=h * D,
+                                                   N=Hd, BN=bn, BK=tuning.bk(h * D, size), BM=ROWS, NT=nt, PREC=prec,
+                                                   MERGE=parts is not None, D=D, CH=tuning.split or ROWS, TMAX=MAX_T,
+                                                   num_warps=nw, **staged)
     a = torch.empty(T, I, dtype=x.dtype, device=x.device)
     bi = tuning.cols or _block(I)
     post = layer.post_attention_layernorm
     _gate_up[(triton.cdiv(I, bi), rows)](h1, post.weight, mlp.gate_up.weight, a, T, post.eps, K=Hd, I=I, BN=bi, BK=bk,
                                          BM=ROWS, NT=nt, FOLD=tuning.fold_norm, PREC=prec, num_warps=nw, **staged)
     out = torch.empty_like(x2)
-    _linear_residual[(triton.cdiv(Hd, bn), rows)](a, mlp.down_proj.weight, h1, out, T, K=I, N=Hd, BN=bn, BK=tuning.bk(I, size),
-                                                   BM=ROWS, NT=nt, PREC=prec, num_warps=nw, **staged)
+    _linear_residual[(triton.cdiv(Hd, bn), rows)](a, mlp.down_proj.weight, h1, out, T, a, a, a, input_pos, K=I, N=Hd, BN=bn,
+                                                   BK=tuning.bk(I, size), BM=ROWS, NT=nt, PREC=prec, MERGE=False, D=D,
+                                                   CH=ROWS, TMAX=MAX_T, num_warps=nw, **staged)
     return out.view(1, T, Hd)

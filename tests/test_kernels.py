@@ -46,11 +46,13 @@ def run_both(layer, x, cos, sin, pos, mask, tuning=kernels.Tuning()):
 TUNINGS = {"default": kernels.Tuning(), "small-tiles": kernels.Tuning(bk_max=16, slots=16, warps=2),
            "row-tiles": kernels.Tuning(row_tiles=4), "3-row-tiles-cols32": kernels.Tuning(bk_max=32, slots=32, row_tiles=3, cols=32, stages=2),
            "fold-norm": kernels.Tuning(fold_norm=True), "fold-norm-small-row-tiles": kernels.Tuning(bk_max=16, row_tiles=4, fold_norm=True),
-           "split16": kernels.Tuning(split=16, slots=16), "split32-row-tiles": kernels.Tuning(split=32, row_tiles=4)}
+           "split16": kernels.Tuning(split=16, slots=16), "split32-row-tiles": kernels.Tuning(split=32, row_tiles=4),
+           "split16-fused": kernels.Tuning(split=16, slots=16, fuse_merge=True),
+           "split32-fused-row-tiles": kernels.Tuning(split=32, row_tiles=4, fuse_merge=True)}
 
 
 @pytest.mark.parametrize("bad", [dict(bk_max=48), dict(slots=8), dict(warps=3), dict(row_tiles=5), dict(cols=24), dict(stages=9),
-                                 dict(pairs=24), dict(split=24)])
+                                 dict(pairs=24), dict(split=24), dict(fuse_merge=True)])
 def test_a_tuning_the_kernels_cannot_take_is_refused_naming_the_field(bad):
     with pytest.raises(ValueError, match=f"Tuning.{next(iter(bad))} must be"):
         kernels.Tuning(**bad)
@@ -196,8 +198,20 @@ ATTENTION_TUNINGS = {"one-block": kernels.Tuning(), "blocks16": kernels.Tuning(s
                      "split32": kernels.Tuning(split=32)}
 
 
+@pytest.fixture
+def nan_empty(monkeypatch):
+    """torch.empty fills floating tensors with nan, so a kernel that reads what nobody wrote (a split
+    chunk past the pass's last slot) poisons its output instead of reading zeros by luck."""
+    empty = torch.empty
+
+    def poisoned(*size, **kw):
+        out = empty(*size, **kw)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
 @pytest.mark.parametrize("tuning", ATTENTION_TUNINGS.values(), ids=ATTENTION_TUNINGS.keys())
-def test_a_rows_attention_does_not_depend_on_how_far_its_pass_reaches(tuning):
+def test_a_rows_attention_does_not_depend_on_how_far_its_pass_reaches(tuning, nan_empty):
     """Attention reads slots up to the largest one the pass writes. A row's output must not change when
     another row of its pass reaches further (more slot blocks, or more split chunks merged): what a
     verify pass gives a token equals what a one-token step at its slot gives it. Rows stay where they
@@ -218,7 +232,36 @@ def test_a_rows_attention_does_not_depend_on_how_far_its_pass_reaches(tuning):
     assert not torch.equal(outs[0][2], outs[1][2])
 
 
-@pytest.mark.parametrize("tuning", [kernels.Tuning(), kernels.Tuning(split=16, slots=16)], ids=["default", "split16"])
+LAYER_REACH_TUNINGS = {**ATTENTION_TUNINGS, "split16-fused": kernels.Tuning(split=16, slots=16, fuse_merge=True),
+                       "split16-fused-row-tiles": kernels.Tuning(split=16, slots=16, fuse_merge=True, row_tiles=2)}
+
+
+@pytest.mark.parametrize("tuning", LAYER_REACH_TUNINGS.values(), ids=LAYER_REACH_TUNINGS.keys())
+def test_a_rows_layer_output_does_not_depend_on_how_far_its_pass_reaches(tuning, nan_empty):
+    """The same at the layer: rows 0 and 1 of a 3-token pass get the same bits whether row 2 writes slot
+    12 or slot 50, whatever merges the split attention (its own kernel or o_proj reading its input)."""
+    model = kernel_target().optimize()
+    layer = model.layers[0]
+    g = torch.Generator().manual_seed(9)
+    cache = layer.self_attn.kv_cache
+    for buf in (cache.k, cache.v):
+        buf.copy_(torch.randn(buf.shape, generator=g))
+    start = cache.k.clone(), cache.v.clone()
+    x = torch.randn(1, 3, 64, generator=g)
+    cos, sin = model.rotary(torch.tensor([[10, 11, 12]]), x.dtype)
+    outs = []
+    for last in (12, 50):
+        cache.k.copy_(start[0])
+        cache.v.copy_(start[1])
+        pos = torch.tensor([10, 11, last])
+        ref, _, out, _ = run_both(layer, x, cos, sin, pos, causal_mask(pos, S), tuning)
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+        outs.append(out)
+    assert torch.equal(outs[0][0, :2], outs[1][0, :2])
+
+
+@pytest.mark.parametrize("tuning", [kernels.Tuning(), kernels.Tuning(split=16, slots=16),
+                                    kernels.Tuning(split=16, slots=16, fuse_merge=True)], ids=["default", "split16", "split16-fused"])
 def test_speculative_decoding_on_the_kernels_equals_plain_greedy(tuning):
     eager = kernel_target(layers=4)  # a drafter reads three distinct aux layers
     model = kernel_target(layers=4).optimize(kernels="triton", tuning=tuning)
@@ -266,17 +309,18 @@ SMOLLM2_WIDTHS = dict(hidden_size=576, num_attention_heads=9, num_key_value_head
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("row_tiles,compiled,split", [(1, False, 0), (4, True, 0), (1, False, 128)],
-                         ids=["default", "row-tiles4-fold-compiled-drafter", "split128"])
-def test_fp32_speculation_on_cuda_kernels_at_smollm2_widths_equals_plain(row_tiles, compiled, split):
+@pytest.mark.parametrize("row_tiles,compiled,split,fuse", [(1, False, 0, False), (4, True, 0, False), (1, False, 128, False),
+                                                         (4, False, 128, True)],
+                         ids=["default", "row-tiles4-fold-compiled-drafter", "split128", "split128-fused-row-tiles4"])
+def test_fp32_speculation_on_cuda_kernels_at_smollm2_widths_equals_plain(row_tiles, compiled, split, fuse):
     """The device bench's fp32 exactness check, at SmolLM2's widths with the default Tuning under CUDA
     graphs: the fp32 tiles must fit an SM (the bench's fp32 check once died of OutOfResources) and a
     token's bits must not depend on the pass it is in. Also with 4 row tiles a program and the drafter
     compiled as bench compiles it (its steps and the verify cycle's acceptance and catch-up), and with
-    attention split over the cache (two 128-slot chunks)."""
+    attention split over the cache (two 128-slot chunks), merged by its own kernel or by o_proj."""
     from draftsmith.cudagraph import Graphs
 
-    tuning = kernels.Tuning(row_tiles=row_tiles, fold_norm=compiled, split=split)
+    tuning = kernels.Tuning(row_tiles=row_tiles, fold_norm=compiled, split=split, fuse_merge=fuse)
     model = tiny_native(layers=4, **SMOLLM2_WIDTHS).optimize(kernels="triton", tuning=tuning)
     drafter = tiny_drafter(model, draft_vocab=200).cuda()
     if compiled:
@@ -294,9 +338,10 @@ def test_fp32_speculation_on_cuda_kernels_at_smollm2_widths_equals_plain(row_til
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("fold_norm,split", [(False, 0), (True, 0), (False, 256)], ids=["norm-pass", "fold-norm", "split256"])
+@pytest.mark.parametrize("fold_norm,split,fuse", [(False, 0, False), (True, 0, False), (False, 256, False), (False, 256, True)],
+                         ids=["norm-pass", "fold-norm", "split256", "split256-fused"])
 @pytest.mark.parametrize("T", [1, 8, 49])
-def test_bf16_kernels_fit_and_match_at_the_llama8b_layer_shape(T, fold_norm, split):
+def test_bf16_kernels_fit_and_match_at_the_llama8b_layer_shape(T, fold_norm, split, fuse):
     """One Llama-3.1-8B-shaped layer (4096 wide, 32 heads of 128, 8 kv heads, 14336 MLP) with the
     default Tuning, for a decode step, a chain verify and a 49-node tree's row count: it compiles (its
     tiles fit an SM) and its bf16 output is as close to the layer computed in fp32 (same bf16 weights,
@@ -321,7 +366,7 @@ def test_bf16_kernels_fit_and_match_at_the_llama8b_layer_shape(T, fold_norm, spl
     x = torch.randn(1, T, 4096, device="cuda", dtype=torch.bfloat16)
     exact = layer32(x.float(), *model32.rotary(pos[None], torch.float32), pos, mask)
     cos, sin = model.rotary(pos[None], x.dtype)
-    ref, (kr, vr), out, (k, v) = run_both(layer, x, cos, sin, pos, mask, kernels.Tuning(fold_norm=fold_norm, split=split))
+    ref, (kr, vr), out, (k, v) = run_both(layer, x, cos, sin, pos, mask, kernels.Tuning(fold_norm=fold_norm, split=split, fuse_merge=fuse))
     torch_err = (ref.float() - exact).abs().max()
     kernel_err = (out.float() - exact).abs().max()
     assert kernel_err <= 2 * torch_err + 1e-3 * exact.abs().max(), (kernel_err, torch_err, exact.abs().max())
