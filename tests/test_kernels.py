@@ -39,6 +39,15 @@ def run_both(layer, x, cos, sin, pos, mask, tuning=kernels.Tuning()):
     return ref, ref_cache, out, (cache.k.clone(), cache.v.clone())
 
 
+def random_cache(layer, seed: int) -> torch.Generator:
+    """Fills layer's k and v cache with noise (a prefix, and stale slots past it, to attend over); returns
+    the generator, seeded, for the test's other draws."""
+    g = torch.Generator().manual_seed(seed)
+    for buf in (layer.self_attn.kv_cache.k, layer.self_attn.kv_cache.v):
+        buf.copy_(torch.randn(buf.shape, generator=g))
+    return g
+
+
 # the default tiles take one step over this tiny model's rows and cache; small tiles take several
 # (the reduction loops and the attention's running softmax across slot blocks)
 # (the reduction loops and the attention's running softmax across slot blocks); row tiles: programs that
@@ -74,9 +83,7 @@ def test_layer_matches_the_torch_layer_and_writes_the_same_cache(case, tuning):
     model = kernel_target().optimize()
     layer = model.layers[1]
     assert kernels.supports(layer, torch.zeros(1, 5, 64))
-    g = torch.Generator().manual_seed(0)
-    for buf in (layer.self_attn.kv_cache.k, layer.self_attn.kv_cache.v):
-        buf.copy_(torch.randn(buf.shape, generator=g))  # a prefix (and stale slots past it) to attend over
+    g = random_cache(layer, 0)
     T, p0 = {"decode": (1, 20), "verify": (5, 30), "tree": (6, 40), "tree40": (40, 20)}[case]
     pos = torch.arange(p0, p0 + T)
     rope = pos[None]
@@ -132,9 +139,7 @@ def test_a_token_gets_the_same_bits_alone_as_in_a_verify_pass(device, dtype):
     model = kernel_target().to(device, dtype).optimize()
     model.setup_caches(1, S)
     layer = model.layers[0]
-    g = torch.Generator().manual_seed(1)
-    for buf in (layer.self_attn.kv_cache.k, layer.self_attn.kv_cache.v):
-        buf.copy_(torch.randn(buf.shape, generator=g))
+    g = random_cache(layer, 1)
     x = torch.randn(1, 4, 64, generator=g).to(device, dtype)
     pos = torch.arange(10, 14, device=device)
     cos, sin = model.rotary(pos[None], x.dtype)
@@ -152,10 +157,7 @@ def test_a_row_gets_the_same_bits_however_many_row_tiles_a_program_computes(devi
     tree pass (four tiles) gives the same bits at 1, 2, 3 and 4 tiles a program, cache writes included."""
     model = kernel_target().to(device).optimize()
     layer = model.layers[0]
-    g = torch.Generator().manual_seed(6)
-    cache = layer.self_attn.kv_cache
-    for buf in (cache.k, cache.v):
-        buf.copy_(torch.randn(buf.shape, generator=g))
+    g, cache = random_cache(layer, 6), layer.self_attn.kv_cache
     start = cache.k.clone(), cache.v.clone()
     T, p0 = 49, 12
     mask, rope = random_tree_mask(T, p0, g)
@@ -180,9 +182,7 @@ def test_wider_qkv_programs_match_the_torch_layer(pairs, fold_norm):
                         max_position_embeddings=S).optimize()
     model.setup_caches(1, S)
     layer = model.layers[0]
-    g = torch.Generator().manual_seed(7)
-    for buf in (layer.self_attn.kv_cache.k, layer.self_attn.kv_cache.v):
-        buf.copy_(torch.randn(buf.shape, generator=g))
+    g = random_cache(layer, 7)
     for T in (1, 20):
         pos = torch.arange(30, 30 + T)
         x = torch.randn(1, T, 64, generator=g)
@@ -242,10 +242,7 @@ def test_a_rows_layer_output_does_not_depend_on_how_far_its_pass_reaches(tuning,
     12 or slot 50, whatever merges the split attention (its own kernel or o_proj reading its input)."""
     model = kernel_target().optimize()
     layer = model.layers[0]
-    g = torch.Generator().manual_seed(9)
-    cache = layer.self_attn.kv_cache
-    for buf in (cache.k, cache.v):
-        buf.copy_(torch.randn(buf.shape, generator=g))
+    g, cache = random_cache(layer, 9), layer.self_attn.kv_cache
     start = cache.k.clone(), cache.v.clone()
     x = torch.randn(1, 3, 64, generator=g)
     cos, sin = model.rotary(torch.tensor([[10, 11, 12]]), x.dtype)
