@@ -21,6 +21,8 @@ LOGS = Path(__file__).parent / "results" / "logs"
 RUNS = {  # engine -> bench log (the shipped drafter, all 80 MT-bench first turns, 256 new tokens, bf16)
     "compiled (bb19a48)": LOGS / "bench-compiled-shipped-drafter-bb19a48.json",
     "triton, swept tiles (8114dc5)": LOGS / "bench-triton-sweep-shipped-drafter-8114dc5.json",
+    "triton, one-launch KV commit (8c7a00e)": LOGS / "bench-full-8c7a00e.json",
+    "triton, KV commit and split attention (8c7a00e)": LOGS / "bench-triton-split128-shipped-drafter-8c7a00e.json",
 }
 STEPS = {"chain5": 5, "tree": 6}  # drafter steps a cycle: 5 drafts; the 8x6x48 tree's depth
 TARGETS = {"chain5": 3.5, "tree": 5.0}  # issue 4's accept lengths

@@ -12,8 +12,8 @@
 # usage: bash benchmarks/engine_session.sh OUT [VARIANTS] [SWEEP]
 set -uo pipefail
 out=${1:?usage: engine_session.sh OUT [VARIANTS] [SWEEP]}
-variants=${2:-compiled,triton_torch_commit,triton,triton_rt4,triton_split128,triton_split128_fused,triton_rt4_split128_fused}
-sweep=${3:-"bk_max=256;pairs=16,32;fold_norm=0,1;split=0,256;fuse_merge=0,1"}  # 12 tunings (4 combinations refused)
+variants=${2:-compiled,triton_torch_commit,triton,triton_unsplit,triton_split64,triton_pairs32}
+sweep=${3:-"bk_max=256;pairs=16,32;split=128,256;stages=0,3;cols=0,16"}  # 16 tunings
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
 step() {  # step NAME SECONDS CMD...: runs CMD, records its exit status and wall time in OUT/steps.txt

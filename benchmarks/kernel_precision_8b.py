@@ -45,7 +45,7 @@ def layer_out(model, x, pos, cache):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=8)
-    ap.add_argument("--fold-norm", action="store_true", help="the kernels with Tuning(fold_norm=True)")
+    ap.add_argument("--split", type=int, default=kernels.Tuning().split, help="Tuning.split (0: attention unsplit)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     t0 = time.perf_counter()
@@ -60,7 +60,7 @@ def main():
     cos, sin = model.rotary(pos[None], x.dtype)
     layer.self_attn.kv_cache.k.copy_(cache[0])
     layer.self_attn.kv_cache.v.copy_(cache[1])
-    tuning = kernels.Tuning(fold_norm=a.fold_norm)
+    tuning = kernels.Tuning(split=a.split)
     out = kernels.layer_forward(layer, x, cos, sin, pos, causal_mask(pos, 1024), tuning).float()
     largest = ref.abs().max().item()
     res = {"command": shlex.join(["python", *sys.argv]), "commit": git_commit(), "tokens": a.tokens, "tuning": repr(tuning),

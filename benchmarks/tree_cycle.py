@@ -9,16 +9,15 @@ into draft and verify on the device timeline (1x5x5 is the chain of 5 on the dev
 the host-driven tree loop (tree_loop) too with --host-loop. Variants:
   compiled             inductor-compiled layers (bench --engine compiled)
   triton_torch_commit  Triton layers, the KV commit as 4 torch ops a layer (Tuning(move_slots=False))
-  triton               Triton layers with the default Tuning (one-launch commit, kernels.SlotMover)
-  triton_rt2/3/4       the same with Tuning(row_tiles=2/3/4): a 49-row pass reads each weight tile once
+  triton               Triton layers with the default Tuning (one-launch commit, kernels.SlotMover; attention
+                       split over the cache in 128-slot chunks, then merged)
+  triton_unsplit       the same with one attention program a kv head and row block (Tuning(split=0))
+  triton_split64/256   Tuning(split=...): other chunk sizes
+  triton_pairs32       Tuning(pairs=32): wider qkv programs (the 8B shape's best)
   triton_cols32/64     Tuning(cols=...) (columns a matmul program)
-  triton_fold          Tuning(fold_norm=True): qkv and gate/up sum rstd in their matmul pass (no first pass over x)
-  triton_split64/128/256  Tuning(split=...): attention split over the cache in chunks of that many slots, then merged
-                       (flash-decoding; one program a kv head walks every slot otherwise: 3 programs for SmolLM2)
-  triton_split128_fused  the same, merged by o_proj as it reads its input (Tuning(fuse_merge=True): no merge kernel)
 (the Triton ones are h200_run.TRITON_VARIANTS)
 
-    python benchmarks/tree_cycle.py --variants compiled,triton_torch_commit,triton,triton_rt4 --out $OUT/tree-cycle.json
+    python benchmarks/tree_cycle.py --variants compiled,triton_torch_commit,triton,triton_unsplit --out $OUT/tree-cycle.json
 The last stdout line is one JSON document (also written to --out).
 """
 
@@ -71,7 +70,7 @@ def measure(model, drafter, specs: list[TreeSpec], chain_k: int, max_new: int, r
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--variants", default="compiled,triton_torch_commit,triton,triton_rt2,triton_rt4")
+    ap.add_argument("--variants", default="compiled,triton_torch_commit,triton,triton_unsplit")
     ap.add_argument("--specs", default="8x6x48,1x5x5", help="tree shapes topk x steps x nodes (1xKxK: a chain of K drafts"
                     " on the device-resident cycle, the same tokens and accept lengths as decode_chain K)")
     ap.add_argument("--chain", type=int, default=5, help="drafts of the host-driven chain (decode_chain) timed alongside")

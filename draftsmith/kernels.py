@@ -5,8 +5,7 @@ At batch 1 SmolLM2-135M's compiled decode step is ~560 kernels of ~2 us each on 
 
   1. rmsnorm -> qkv matmul -> rotary on q and k -> k and v written into their cache slots
   2. attention of every query row over the cache slots up to the last one written, under the mask
-     (or, with Tuning.split, two: chunks of the cache in parallel, then their partial softmaxes merged;
-     with Tuning.fuse_merge the merge is o_proj's, as it reads its input)
+     (or, with Tuning.split, two: chunks of the cache in parallel, then their partial softmaxes merged)
   3. o_proj + residual
   4. rmsnorm -> gate/up matmul -> silu(gate) * up
   5. down_proj + residual
@@ -14,9 +13,7 @@ At batch 1 SmolLM2-135M's compiled decode step is ~560 kernels of ~2 us each on 
 Rows (query tokens) go in tiles of ROWS whatever their number, so a token gets the same arithmetic
 in a one-token step as in a 48-node tree verify: in fp32 speculative output equals plain output,
 as with the torch path. That needs tl.dot to give a row the same bits wherever it sits in its tile:
-true on CUDA (tested in fp32 and bf16), not under the interpreter where numpy's BLAS is not. A
-matmul program may compute up to four row tiles from one read of each weight tile
-(Tuning.row_tiles), each still its own ROWS-row dot, so that changes no bits. Intermediate results
+true on CUDA (tested in fp32 and bf16), not under the interpreter where numpy's BLAS is not. Intermediate results
 are rounded to the model's dtype where the torch layer rounds them (matmul outputs, silu, the
 residual adds). Attention reads the slots up to the largest one being written: every mask the
 engine builds (causal, chain, tree) hides later ones. Tree verification's KV commit is one kernel
@@ -46,22 +43,23 @@ class Tuning:
     reduction tile means fewer dependent steps per program. The default is the H200's measured choice
     (logs/engine-triton-sweep-8114dc5.json): 256-wide reduction tiles made SmolLM2's one-token step
     0.96 ms against 1.14 ms with 64; 256 slots a step saved under 1% on SmolLM2 and do not fit the
-    8B shape's shared memory, so 128. Sizes count 2-byte elements; fp32 models get half as many."""
+    8B shape's shared memory, so 128. Sizes count 2-byte elements; fp32 models get half as many.
+    Attention split in chunks of 128 slots made SmolLM2's one-token step 0.903 ms against 0.961 unsplit
+    (logs/tree-cycle-8c7a00e.json; the 8B shape, split at 256: 5.02 against 5.07 ms). Measured and
+    dropped (logs/tree-cycle-8c7a00e.json, logs/engine-8b-sweep-8c7a00e.json): matmul programs computing
+    up to four row tiles from one weight read (a 49-row pass 2.19 ms against 1.32), RMSNorm folded into
+    the matmul's pass over x (8B step 7.75 against 5.07 ms) and the split's merge done by o_proj (SmolLM2
+    step 1.31 against 0.90 ms)."""
     bk_max: int = 256  # reduction tile: K rounded up to a power of 2, at most this
     slots: int = 128  # attention: cache slots a step
     warps: int = 4
     move_slots: bool = True  # Transformer.commit as one SlotMover launch instead of 4 torch kernels a layer
-    # matmul programs: row tiles (of ROWS) each weight tile read serves, up to 4 (a 49-row tree is four
-    # tiles: at 1 each weight tile is read by four programs); output columns a program, 0: 16 or 32 by _block
-    row_tiles: int = 1
-    cols: int = 0
+    cols: int = 0  # output columns a matmul program; 0: 16 or 32 by _block
     stages: int = 0  # the matmul kernels' software-pipelining depth (num_stages); 0: Triton's default
-    fold_norm: bool = False  # qkv and gate/up: rstd summed in the matmul's own pass over x (_normed_dots), not a first pass
     pairs: int = 16  # rotary pairs (d, d + D/2) a qkv program computes: 2 x pairs output columns of one head
     # attention split over the cache (flash-decoding): slots a program, its partial softmaxes merged by a
     # sixth kernel; 0: one program a kv head and row block walks every slot (SmolLM2: 3 programs a step)
-    split: int = 0
-    fuse_merge: bool = False  # with split: o_proj merges the chunks as it reads its input (no merge kernel)
+    split: int = 128
 
     def __post_init__(self):
         for name in ("bk_max", "slots"):
@@ -70,14 +68,10 @@ class Tuning:
                 raise ValueError(f"Tuning.{name} must be a power of 2 >= 16, got {v}")
         if self.warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"Tuning.warps must be 1, 2, 4, 8 or 16, got {self.warps}")
-        if self.row_tiles not in (1, 2, 3, 4):
-            raise ValueError(f"Tuning.row_tiles must be 1 to 4 (MAX_T / ROWS), got {self.row_tiles}")
         if self.cols and (self.cols < 16 or self.cols & (self.cols - 1)):
             raise ValueError(f"Tuning.cols must be 0 (automatic) or a power of 2 >= 16, got {self.cols}")
         if self.split and (self.split < 16 or self.split & (self.split - 1)):
             raise ValueError(f"Tuning.split must be 0 (no split) or a power of 2 >= 16, got {self.split}")
-        if self.fuse_merge and not self.split:
-            raise ValueError("Tuning.fuse_merge must be False without a split (Tuning.split > 0): there is nothing to merge")
         if self.pairs < 16 or self.pairs & (self.pairs - 1):
             raise ValueError(f"Tuning.pairs must be a power of 2 >= 16, got {self.pairs}")
         if not 0 <= self.stages <= 8:
@@ -118,80 +112,22 @@ def _normed(x_ptr, nw_ptr, rm, rk, n_rows, rstd, K: tl.constexpr):
 
 
 @triton.jit
-def _norm_in(x_ptr, nw_ptr, rm, rk, n_rows, rstd, K: tl.constexpr, FOLD: tl.constexpr):
-    """A matmul's input tile (BM, BK) of rmsnorm(x) and the tile's sum of squares (BM,). FOLD: the tile is
-    weight * x, and the caller scales the product by rstd afterwards (one pass over x); else _normed."""
-    if FOLD:
-        x = _rows(x_ptr, rm, rk, n_rows, K)
-        w = tl.load(nw_ptr + rk, mask=rk < K, other=0.0)
-        xf = x.to(tl.float32)
-        return w[None, :] * x, tl.sum(xf * xf, axis=1)
-    else:
-        return _normed(x_ptr, nw_ptr, rm, rk, n_rows, rstd, K), rstd * 0.0
-
-
-@triton.jit
-def _tile_dots(x_ptr, nw_ptr, rm, rk, n_rows, ss, w1, w2, acc1, acc2, K: tl.constexpr, FOLD: tl.constexpr, PREC: tl.constexpr):
-    """One row tile's step of _normed_dots: its input tile against both weight tiles; ss is the tile's
-    running sum of squares (FOLD) or its rstd (passed through)."""
-    a, sq = _norm_in(x_ptr, nw_ptr, rm, rk, n_rows, ss, K, FOLD)
-    acc1 += tl.dot(a, w1, input_precision=PREC)
-    acc2 += tl.dot(a, w2, input_precision=PREC)
-    if FOLD:
-        ss += sq
-    return acc1, acc2, ss
-
-
-@triton.jit
-def _normed_dots(x_ptr, nw_ptr, w_ptr, n1, n2, n_ok, r0, n_rows, eps, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 BM: tl.constexpr, NT: tl.constexpr, FOLD: tl.constexpr, PREC: tl.constexpr):
-    """rmsnorm(x) @ w[n1]^T and @ w[n2]^T (BN weight rows each, n_ok masking them) for NT row tiles of BM
-    from row r0: (tile 0's two accumulators, tile 1's, tile 2's, tile 3's), zeros past NT. Each weight
-    tile read serves all NT row tiles; each tile is its own BM-row dot, so a row's bits do not depend on NT.
-    RMSNorm as RMSNorm.forward rounds it after a first pass over x for rstd, or (FOLD) folded: rstd is
-    summed in the same pass and scales the fp32 products, rmsnorm(x) @ w^T = rstd * ((weight * x) @ w^T)."""
-    a1_0 = tl.zeros([BM, BN], dtype=tl.float32)
-    a2_0 = tl.zeros([BM, BN], dtype=tl.float32)
-    a1_1 = tl.zeros([BM, BN], dtype=tl.float32)
-    a2_1 = tl.zeros([BM, BN], dtype=tl.float32)
-    a1_2 = tl.zeros([BM, BN], dtype=tl.float32)
-    a2_2 = tl.zeros([BM, BN], dtype=tl.float32)
-    a1_3 = tl.zeros([BM, BN], dtype=tl.float32)
-    a2_3 = tl.zeros([BM, BN], dtype=tl.float32)
-    ss0 = tl.zeros([BM], dtype=tl.float32)  # FOLD: sums of squares; else each tile's rstd
-    ss1 = tl.zeros([BM], dtype=tl.float32)
-    ss2 = tl.zeros([BM], dtype=tl.float32)
-    ss3 = tl.zeros([BM], dtype=tl.float32)
-    if not FOLD:
-        ss0 = _rstd(x_ptr, r0, n_rows, eps, K, BK, BM)
-        if NT > 1:
-            ss1 = _rstd(x_ptr, r0 + BM, n_rows, eps, K, BK, BM)
-        if NT > 2:
-            ss2 = _rstd(x_ptr, r0 + 2 * BM, n_rows, eps, K, BK, BM)
-        if NT > 3:
-            ss3 = _rstd(x_ptr, r0 + 3 * BM, n_rows, eps, K, BK, BM)
+def _normed_dots(x_ptr, nw_ptr, w_ptr, n1, n2, n_ok, rm, n_rows, eps, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 BM: tl.constexpr, PREC: tl.constexpr):
+    """rmsnorm(x) @ w[n1]^T and @ w[n2]^T for rows rm (BN weight rows each, n_ok masking them), RMSNorm
+    rounded as RMSNorm.forward rounds it after a first pass over x for rstd."""
+    acc1 = tl.zeros([BM, BN], dtype=tl.float32)
+    acc2 = tl.zeros([BM, BN], dtype=tl.float32)
+    rstd = _rstd(x_ptr, rm, n_rows, eps, K, BK, BM)
     for k0 in range(0, K, BK):
         rk = k0 + tl.arange(0, BK)
         inside = n_ok[:, None] & (rk[None, :] < K)
         w1 = tl.trans(tl.load(w_ptr + n1[:, None] * K + rk[None, :], mask=inside, other=0.0))
         w2 = tl.trans(tl.load(w_ptr + n2[:, None] * K + rk[None, :], mask=inside, other=0.0))
-        a1_0, a2_0, ss0 = _tile_dots(x_ptr, nw_ptr, r0, rk, n_rows, ss0, w1, w2, a1_0, a2_0, K, FOLD, PREC)
-        if NT > 1:
-            a1_1, a2_1, ss1 = _tile_dots(x_ptr, nw_ptr, r0 + BM, rk, n_rows, ss1, w1, w2, a1_1, a2_1, K, FOLD, PREC)
-        if NT > 2:
-            a1_2, a2_2, ss2 = _tile_dots(x_ptr, nw_ptr, r0 + 2 * BM, rk, n_rows, ss2, w1, w2, a1_2, a2_2, K, FOLD, PREC)
-        if NT > 3:
-            a1_3, a2_3, ss3 = _tile_dots(x_ptr, nw_ptr, r0 + 3 * BM, rk, n_rows, ss3, w1, w2, a1_3, a2_3, K, FOLD, PREC)
-    if FOLD:  # tiles past NT scale zeros
-        r = (1.0 / tl.sqrt(ss0 / K + eps))[:, None]
-        a1_0, a2_0 = a1_0 * r, a2_0 * r
-        r = (1.0 / tl.sqrt(ss1 / K + eps))[:, None]
-        a1_1, a2_1 = a1_1 * r, a2_1 * r
-        r = (1.0 / tl.sqrt(ss2 / K + eps))[:, None]
-        a1_2, a2_2 = a1_2 * r, a2_2 * r
-        r = (1.0 / tl.sqrt(ss3 / K + eps))[:, None]
-        a1_3, a2_3 = a1_3 * r, a2_3 * r
-    return a1_0, a2_0, a1_1, a2_1, a1_2, a2_2, a1_3, a2_3
+        a = _normed(x_ptr, nw_ptr, rm, rk, n_rows, rstd, K)
+        acc1 += tl.dot(a, w1, input_precision=PREC)
+        acc2 += tl.dot(a, w2, input_precision=PREC)
+    return acc1, acc2
 
 
 @triton.jit
@@ -231,27 +167,15 @@ def _qkv_out(acc1, acc2, rm, head, d1, b_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr,
 @triton.jit
 def _qkv_rope_cache(x_ptr, nw_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, n_rows, S, eps,
                     K: tl.constexpr, D: tl.constexpr, H: tl.constexpr, KV: tl.constexpr, BP: tl.constexpr,
-                    BK: tl.constexpr, BM: tl.constexpr, NT: tl.constexpr, FOLD: tl.constexpr, HAS_BIAS: tl.constexpr,
-                    PREC: tl.constexpr):
-    # program (head, pair block, NT row tiles); heads are q heads, then k heads, then v heads (qkv's rows).
+                    BK: tl.constexpr, BM: tl.constexpr, HAS_BIAS: tl.constexpr, PREC: tl.constexpr):
+    # program (head, pair block, row tile); heads are q heads, then k heads, then v heads (qkv's rows).
     # A program computes BP rotary pairs (d, d + D/2) of one head, so it can rotate them itself.
-    # Each weight tile it reads serves its NT row tiles (_normed_dots).
     head = tl.program_id(0)
     d1 = tl.program_id(1) * BP + tl.arange(0, BP)  # first halves; partners at d1 + D/2
-    r0 = tl.program_id(2) * (NT * BM) + tl.arange(0, BM)
+    rm = tl.program_id(2) * BM + tl.arange(0, BM)
     n1 = head * D + d1
-    acc1_0, acc2_0, acc1_1, acc2_1, acc1_2, acc2_2, acc1_3, acc2_3 = _normed_dots(
-        x_ptr, nw_ptr, w_ptr, n1, n1 + D // 2, d1 < D // 2, r0, n_rows, eps, K, BP, BK, BM, NT, FOLD, PREC)
-    _qkv_out(acc1_0, acc2_0, r0, head, d1, b_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, n_rows, S, D, H, KV, HAS_BIAS)
-    if NT > 1:
-        _qkv_out(acc1_1, acc2_1, r0 + BM, head, d1, b_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, n_rows, S, D, H, KV,
-                 HAS_BIAS)
-    if NT > 2:
-        _qkv_out(acc1_2, acc2_2, r0 + 2 * BM, head, d1, b_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, n_rows, S, D, H,
-                 KV, HAS_BIAS)
-    if NT > 3:
-        _qkv_out(acc1_3, acc2_3, r0 + 3 * BM, head, d1, b_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, n_rows, S, D, H,
-                 KV, HAS_BIAS)
+    acc1, acc2 = _normed_dots(x_ptr, nw_ptr, w_ptr, n1, n1 + D // 2, d1 < D // 2, rm, n_rows, eps, K, BP, BK, BM, PREC)
+    _qkv_out(acc1, acc2, rm, head, d1, b_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, n_rows, S, D, H, KV, HAS_BIAS)
 
 
 @triton.jit
@@ -355,7 +279,16 @@ def _attention_merge(pm_ptr, pl_ptr, pacc_ptr, slot_ptr, o_ptr, n_rows, H: tl.co
 
 
 @triton.jit
-def _residual_out(acc, r_ptr, y_ptr, rm, rn, n_rows, N: tl.constexpr):
+def _linear_residual(a_ptr, w_ptr, r_ptr, y_ptr, n_rows, K: tl.constexpr, N: tl.constexpr, BN: tl.constexpr,
+                     BK: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr):
+    # y = r + a @ w^T, program (column block, row tile)
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    rm = tl.program_id(1) * BM + tl.arange(0, BM)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        rk = k0 + tl.arange(0, BK)
+        w = tl.trans(tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0))
+        acc += tl.dot(_rows(a_ptr, rm, rk, n_rows, K), w, input_precision=PREC)
     at = rm[:, None] * N + rn[None, :]
     inside = (rm[:, None] < n_rows) & (rn[None, :] < N)
     r = tl.load(r_ptr + at, mask=inside, other=0.0)
@@ -363,100 +296,17 @@ def _residual_out(acc, r_ptr, y_ptr, rm, rn, n_rows, N: tl.constexpr):
 
 
 @triton.jit
-def _merged(a_ptr, pm_ptr, pl_ptr, pacc_ptr, rm, rk, n_rows, nc, K: tl.constexpr, D: tl.constexpr):
-    """Rows rm, columns rk of the attention output (T, K = H * D) from _attention_part's first nc chunks,
-    merged in chunk order as _attention_merge merges them and rounded to a's dtype (the tile _rows would read)."""
-    H: tl.constexpr = K // D
-    inside = (rm[:, None] < n_rows) & (rk[None, :] < K)
-    at_h = rm[:, None] * H + (rk // D)[None, :]  # each column's (row, head)
-    at = rm[:, None] * K + rk[None, :]
-    top = tl.full(at.shape, float("-inf"), dtype=tl.float32)
-    num = tl.zeros(at.shape, dtype=tl.float32)
-    den = tl.zeros(at.shape, dtype=tl.float32)
-    for c in range(0, nc):  # a chunk a row cannot see holds (-inf, 0, 0): an exact no-op
-        m = tl.load(pm_ptr + c * n_rows * H + at_h, mask=inside, other=float("-inf"))
-        l = tl.load(pl_ptr + c * n_rows * H + at_h, mask=inside, other=0.0)
-        acc = tl.load(pacc_ptr + c * n_rows * K + at, mask=inside, other=0.0)
-        new = tl.maximum(top, m)
-        use = tl.where(new == float("-inf"), 0.0, new)
-        alpha, w = tl.exp(top - use), tl.exp(m - use)
-        num = num * alpha + w * acc
-        den = den * alpha + w * l
-        top = new
-    return (num / tl.where(den == 0.0, 1.0, den)).to(a_ptr.dtype.element_ty)
-
-
-@triton.jit
-def _a_tile(a_ptr, pm_ptr, pl_ptr, pacc_ptr, rm, rk, n_rows, nc, K: tl.constexpr, D: tl.constexpr, MERGE: tl.constexpr):
-    if MERGE:
-        return _merged(a_ptr, pm_ptr, pl_ptr, pacc_ptr, rm, rk, n_rows, nc, K, D)
-    else:
-        return _rows(a_ptr, rm, rk, n_rows, K)
-
-
-@triton.jit
-def _linear_residual(a_ptr, w_ptr, r_ptr, y_ptr, n_rows, pm_ptr, pl_ptr, pacc_ptr, slot_ptr, K: tl.constexpr,
-                     N: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, NT: tl.constexpr,
-                     PREC: tl.constexpr, MERGE: tl.constexpr, D: tl.constexpr, CH: tl.constexpr, TMAX: tl.constexpr):
-    # y = r + a @ w^T, program (column block, NT row tiles). A weight tile read once serves NT row tiles;
-    # each tile is its own BM-row dot, so a row's arithmetic does not depend on NT. MERGE: a is the
-    # attention output, read from split attention's partials (_merged; Tuning.fuse_merge).
+def _gate_up(x_ptr, nw_ptr, w_ptr, y_ptr, n_rows, eps, K: tl.constexpr, I: tl.constexpr, BN: tl.constexpr,
+             BK: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr):
+    # y = silu(norm(x) @ gate^T) * (norm(x) @ up^T); w is gate_up (2I, K): gate rows, then up rows.
+    # Program (column block, row tile), as _linear_residual.
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
-    r0 = tl.program_id(1) * (NT * BM) + tl.arange(0, BM)
-    nc = 0
-    if MERGE:  # the chunks _attention_part wrote: those below the last slot written
-        rt = tl.arange(0, TMAX)
-        nc = tl.cdiv(tl.max(tl.load(slot_ptr + rt, mask=rt < n_rows, other=0), axis=0) + 1, CH)
-    acc0 = tl.zeros([BM, BN], dtype=tl.float32)
-    if NT > 1:
-        acc1 = tl.zeros([BM, BN], dtype=tl.float32)
-    if NT > 2:
-        acc2 = tl.zeros([BM, BN], dtype=tl.float32)
-    if NT > 3:
-        acc3 = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        rk = k0 + tl.arange(0, BK)
-        w = tl.trans(tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0))
-        acc0 += tl.dot(_a_tile(a_ptr, pm_ptr, pl_ptr, pacc_ptr, r0, rk, n_rows, nc, K, D, MERGE), w, input_precision=PREC)
-        if NT > 1:
-            acc1 += tl.dot(_a_tile(a_ptr, pm_ptr, pl_ptr, pacc_ptr, r0 + BM, rk, n_rows, nc, K, D, MERGE), w, input_precision=PREC)
-        if NT > 2:
-            acc2 += tl.dot(_a_tile(a_ptr, pm_ptr, pl_ptr, pacc_ptr, r0 + 2 * BM, rk, n_rows, nc, K, D, MERGE), w, input_precision=PREC)
-        if NT > 3:
-            acc3 += tl.dot(_a_tile(a_ptr, pm_ptr, pl_ptr, pacc_ptr, r0 + 3 * BM, rk, n_rows, nc, K, D, MERGE), w, input_precision=PREC)
-    _residual_out(acc0, r_ptr, y_ptr, r0, rn, n_rows, N)
-    if NT > 1:
-        _residual_out(acc1, r_ptr, y_ptr, r0 + BM, rn, n_rows, N)
-    if NT > 2:
-        _residual_out(acc2, r_ptr, y_ptr, r0 + 2 * BM, rn, n_rows, N)
-    if NT > 3:
-        _residual_out(acc3, r_ptr, y_ptr, r0 + 3 * BM, rn, n_rows, N)
-
-
-@triton.jit
-def _silu_mul_out(acc_g, acc_u, y_ptr, rm, rn, n_rows, I: tl.constexpr):
+    rm = tl.program_id(1) * BM + tl.arange(0, BM)
+    acc_g, acc_u = _normed_dots(x_ptr, nw_ptr, w_ptr, rn, rn + I, rn < I, rm, n_rows, eps, K, BN, BK, BM, PREC)
     dt = y_ptr.dtype.element_ty
     g = acc_g.to(dt).to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(dt)
     tl.store(y_ptr + rm[:, None] * I + rn[None, :], act * acc_u.to(dt), mask=(rm[:, None] < n_rows) & (rn[None, :] < I))
-
-
-@triton.jit
-def _gate_up(x_ptr, nw_ptr, w_ptr, y_ptr, n_rows, eps, K: tl.constexpr, I: tl.constexpr, BN: tl.constexpr,
-             BK: tl.constexpr, BM: tl.constexpr, NT: tl.constexpr, FOLD: tl.constexpr, PREC: tl.constexpr):
-    # y = silu(norm(x) @ gate^T) * (norm(x) @ up^T); w is gate_up (2I, K): gate rows, then up rows.
-    # Program (column block, NT row tiles), as _linear_residual.
-    rn = tl.program_id(0) * BN + tl.arange(0, BN)
-    r0 = tl.program_id(1) * (NT * BM) + tl.arange(0, BM)
-    acc_g0, acc_u0, acc_g1, acc_u1, acc_g2, acc_u2, acc_g3, acc_u3 = _normed_dots(
-        x_ptr, nw_ptr, w_ptr, rn, rn + I, rn < I, r0, n_rows, eps, K, BN, BK, BM, NT, FOLD, PREC)
-    _silu_mul_out(acc_g0, acc_u0, y_ptr, r0, rn, n_rows, I)
-    if NT > 1:
-        _silu_mul_out(acc_g1, acc_u1, y_ptr, r0 + BM, rn, n_rows, I)
-    if NT > 2:
-        _silu_mul_out(acc_g2, acc_u2, y_ptr, r0 + 2 * BM, rn, n_rows, I)
-    if NT > 3:
-        _silu_mul_out(acc_g3, acc_u3, y_ptr, r0 + 3 * BM, rn, n_rows, I)
 
 
 @triton.jit
@@ -517,10 +367,9 @@ def _block(n: int, want_programs: int = 128) -> int:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, input_pos: torch.Tensor,
-              out: torch.Tensor, tuning: Tuning = Tuning(), merge: bool = True):
+              out: torch.Tensor, tuning: Tuning = Tuning()):
     """out (T, H * D) = attention of q (T, H, D) over caches k, v (1, KV, S, D) under mask (T, S), reading
-    the slots up to the largest in input_pos; in one kernel, or split over the cache (Tuning.split).
-    A split without merge writes no out and returns the chunks' partials (max, sum, output) for o_proj."""
+    the slots up to the largest in input_pos; in one kernel, or split over the cache (Tuning.split)."""
     T, h, D = q.shape
     kv, S = k.shape[1], k.shape[2]
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
@@ -534,8 +383,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     pacc = torch.empty(chunks, T, h, D, dtype=torch.float32, device=q.device)
     _attention_part[(*grid, chunks)](q, k, v, mask, input_pos, pm, pl, pacc, T, S, mask.stride(0), mask.stride(1), D**-0.5,
                                       BS=min(bs, tuning.split), CH=tuning.split, **common)
-    if not merge:
-        return pm, pl, pacc
     _attention_merge[(T * h,)](pm, pl, pacc, input_pos, out, T, H=h, D=D, CH=tuning.split,
                                NCP=triton.next_power_of_2(chunks), TMAX=MAX_T)
 
@@ -550,35 +397,26 @@ def layer_forward(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     S, I = cache.k.shape[2], mlp.down_proj.weight.shape[1]
     x2 = x.reshape(T, Hd).contiguous()
     cos, sin = cos.reshape(-1, D)[-T:].contiguous(), sin.reshape(-1, D)[-T:].contiguous()  # (T, D)
-    tiles = triton.cdiv(T, ROWS)
-    nt = min(tuning.row_tiles, tiles)  # row tiles a program
-    rows = triton.cdiv(tiles, nt)  # programs along the rows
+    rows = triton.cdiv(T, ROWS)  # row tiles
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
     size, nw = x.element_size(), tuning.warps
-    staged = {"num_stages": tuning.stages} if tuning.stages else {}  # the matmul kernels'
+    mm = dict(BM=ROWS, PREC=prec, num_warps=nw, **({"num_stages": tuning.stages} if tuning.stages else {}))  # the matmuls'
     bk = tuning.bk(Hd, size)
     bias = attn.qkv.bias
     q = torch.empty(T, h, D, dtype=x.dtype, device=x.device)
     bp = min(tuning.pairs, D // 2)
     _qkv_rope_cache[(h + 2 * kv, D // 2 // bp, rows)](
         x2, layer.input_layernorm.weight, attn.qkv.weight, bias if bias is not None else x2, cos, sin, input_pos, q,
-        cache.k, cache.v, T, S, layer.input_layernorm.eps, K=Hd, D=D, H=h, KV=kv, BP=bp, BK=bk, BM=ROWS, NT=nt,
-        FOLD=tuning.fold_norm, HAS_BIAS=bias is not None, PREC=prec, num_warps=nw, **staged)
+        cache.k, cache.v, T, S, layer.input_layernorm.eps, K=Hd, D=D, H=h, KV=kv, BP=bp, BK=bk, HAS_BIAS=bias is not None, **mm)
     o = torch.empty(T, h * D, dtype=x.dtype, device=x.device)
-    parts = attention(q, cache.k, cache.v, mask[0, 0], input_pos, o, tuning, merge=not tuning.fuse_merge)
+    attention(q, cache.k, cache.v, mask[0, 0], input_pos, o, tuning)
     h1 = torch.empty_like(x2)
     bn = tuning.cols or _block(Hd)
-    _linear_residual[(triton.cdiv(Hd, bn), rows)](o, attn.o_proj.weight, x2, h1, T, *(parts or (o, o, o)), input_pos, K=h * D,
-                                                   N=Hd, BN=bn, BK=tuning.bk(h * D, size), BM=ROWS, NT=nt, PREC=prec,
-                                                   MERGE=parts is not None, D=D, CH=tuning.split or ROWS, TMAX=MAX_T,
-                                                   num_warps=nw, **staged)
+    _linear_residual[(triton.cdiv(Hd, bn), rows)](o, attn.o_proj.weight, x2, h1, T, K=h * D, N=Hd, BN=bn, BK=tuning.bk(h * D, size), **mm)
     a = torch.empty(T, I, dtype=x.dtype, device=x.device)
     bi = tuning.cols or _block(I)
     post = layer.post_attention_layernorm
-    _gate_up[(triton.cdiv(I, bi), rows)](h1, post.weight, mlp.gate_up.weight, a, T, post.eps, K=Hd, I=I, BN=bi, BK=bk,
-                                         BM=ROWS, NT=nt, FOLD=tuning.fold_norm, PREC=prec, num_warps=nw, **staged)
+    _gate_up[(triton.cdiv(I, bi), rows)](h1, post.weight, mlp.gate_up.weight, a, T, post.eps, K=Hd, I=I, BN=bi, BK=bk, **mm)
     out = torch.empty_like(x2)
-    _linear_residual[(triton.cdiv(Hd, bn), rows)](a, mlp.down_proj.weight, h1, out, T, a, a, a, input_pos, K=I, N=Hd, BN=bn,
-                                                   BK=tuning.bk(I, size), BM=ROWS, NT=nt, PREC=prec, MERGE=False, D=D,
-                                                   CH=ROWS, TMAX=MAX_T, num_warps=nw, **staged)
+    _linear_residual[(triton.cdiv(Hd, bn), rows)](a, mlp.down_proj.weight, h1, out, T, K=I, N=Hd, BN=bn, BK=tuning.bk(I, size), **mm)
     return out.view(1, T, Hd)

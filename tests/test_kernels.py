@@ -49,19 +49,16 @@ def random_cache(layer, seed: int) -> torch.Generator:
 
 
 # the default tiles take one step over this tiny model's rows and cache; small tiles take several
-# (the reduction loops and the attention's running softmax across slot blocks)
-# (the reduction loops and the attention's running softmax across slot blocks); row tiles: programs that
-# compute several row tiles from one weight read, which only a pass of more than 16 rows ("tree40") has
-TUNINGS = {"default": kernels.Tuning(), "small-tiles": kernels.Tuning(bk_max=16, slots=16, warps=2),
-           "row-tiles": kernels.Tuning(row_tiles=4), "3-row-tiles-cols32": kernels.Tuning(bk_max=32, slots=32, row_tiles=3, cols=32, stages=2),
-           "fold-norm": kernels.Tuning(fold_norm=True), "fold-norm-small-row-tiles": kernels.Tuning(bk_max=16, row_tiles=4, fold_norm=True),
-           "split16": kernels.Tuning(split=16, slots=16), "split32-row-tiles": kernels.Tuning(split=32, row_tiles=4),
-           "split16-fused": kernels.Tuning(split=16, slots=16, fuse_merge=True),
-           "split32-fused-row-tiles": kernels.Tuning(split=32, row_tiles=4, fuse_merge=True)}
+# (the reduction loops and the attention's running softmax across slot blocks); split16/32: the attention
+# over 4 or 2 chunks of the 64-slot cache, merged (the default's 128-slot chunks are one chunk here)
+TUNINGS = {"default": kernels.Tuning(), "unsplit": kernels.Tuning(split=0),
+           "small-tiles": kernels.Tuning(bk_max=16, slots=16, warps=2, split=0),
+           "cols32-stages2": kernels.Tuning(bk_max=32, slots=32, cols=32, stages=2), "pairs32": kernels.Tuning(pairs=32),
+           "split16": kernels.Tuning(split=16, slots=16), "split32": kernels.Tuning(split=32)}
 
 
-@pytest.mark.parametrize("bad", [dict(bk_max=48), dict(slots=8), dict(warps=3), dict(row_tiles=5), dict(cols=24), dict(stages=9),
-                                 dict(pairs=24), dict(split=24), dict(fuse_merge=True)])
+@pytest.mark.parametrize("bad", [dict(bk_max=48), dict(slots=8), dict(warps=3), dict(cols=24), dict(stages=9), dict(pairs=24),
+                                 dict(split=24)])
 def test_a_tuning_the_kernels_cannot_take_is_refused_naming_the_field(bad):
     with pytest.raises(ValueError, match=f"Tuning.{next(iter(bad))} must be"):
         kernels.Tuning(**bad)
@@ -150,34 +147,10 @@ def test_a_token_gets_the_same_bits_alone_as_in_a_verify_pass(device, dtype):
         assert torch.equal(one[0, 0], many[0, t])
 
 
-@pytest.mark.parametrize("fold_norm", [False, True], ids=["norm-pass", "fold-norm"])
-@pytest.mark.parametrize("device", ON_THIS_HOST)
-def test_a_row_gets_the_same_bits_however_many_row_tiles_a_program_computes(device, fold_norm):
-    """Tuning.row_tiles changes which program computes a row tile, not the tile's arithmetic: a 49-row
-    tree pass (four tiles) gives the same bits at 1, 2, 3 and 4 tiles a program, cache writes included."""
-    model = kernel_target().to(device).optimize()
-    layer = model.layers[0]
-    g, cache = random_cache(layer, 6), layer.self_attn.kv_cache
-    start = cache.k.clone(), cache.v.clone()
-    T, p0 = 49, 12
-    mask, rope = random_tree_mask(T, p0, g)
-    x = torch.randn(1, T, 64, generator=g).to(device)
-    pos = torch.arange(p0, p0 + T, device=device)
-    cos, sin = model.rotary(rope.to(device), x.dtype)
-    results = []
-    for row_tiles in (1, 2, 3, 4):
-        cache.k.copy_(start[0])
-        cache.v.copy_(start[1])
-        out = kernels.layer_forward(layer, x, cos, sin, pos, mask.to(device), kernels.Tuning(row_tiles=row_tiles, fold_norm=fold_norm))
-        results.append((out, cache.k.clone(), cache.v.clone()))
-    for other in results[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
-
-
-@pytest.mark.parametrize("pairs,fold_norm", [(16, False), (32, False), (32, True)])
-def test_wider_qkv_programs_match_the_torch_layer(pairs, fold_norm):
+@pytest.mark.parametrize("pairs", [16, 32])
+def test_wider_qkv_programs_match_the_torch_layer(pairs):
     """Tuning.pairs: a qkv program computing 32 rotary pairs of a 64-wide head (the whole head) instead of
-    16, with and without the folded norm, for a decode step and a 20-row pass (two row tiles)."""
+    16, for a decode step and a 20-row pass (two row tiles)."""
     model = tiny_native(layers=1, hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
                         max_position_embeddings=S).optimize()
     model.setup_caches(1, S)
@@ -187,15 +160,15 @@ def test_wider_qkv_programs_match_the_torch_layer(pairs, fold_norm):
         pos = torch.arange(30, 30 + T)
         x = torch.randn(1, T, 64, generator=g)
         cos, sin = model.rotary(pos[None], x.dtype)
-        tuning = kernels.Tuning(pairs=pairs, fold_norm=fold_norm, row_tiles=2)
+        tuning = kernels.Tuning(pairs=pairs)
         ref, (kr, vr), out, (k, v) = run_both(layer, x, cos, sin, pos, causal_mask(pos, S), tuning)
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
         torch.testing.assert_close(k, kr, atol=2e-5, rtol=2e-5)
         torch.testing.assert_close(v, vr, atol=2e-5, rtol=2e-5)
 
 
-ATTENTION_TUNINGS = {"one-block": kernels.Tuning(), "blocks16": kernels.Tuning(slots=16), "split16": kernels.Tuning(split=16, slots=16),
-                     "split32": kernels.Tuning(split=32)}
+ATTENTION_TUNINGS = {"one-block": kernels.Tuning(split=0), "blocks16": kernels.Tuning(slots=16, split=0),
+                     "split16": kernels.Tuning(split=16, slots=16), "split32": kernels.Tuning(split=32)}
 
 
 @pytest.fixture
@@ -232,14 +205,10 @@ def test_a_rows_attention_does_not_depend_on_how_far_its_pass_reaches(tuning, na
     assert not torch.equal(outs[0][2], outs[1][2])
 
 
-LAYER_REACH_TUNINGS = {**ATTENTION_TUNINGS, "split16-fused": kernels.Tuning(split=16, slots=16, fuse_merge=True),
-                       "split16-fused-row-tiles": kernels.Tuning(split=16, slots=16, fuse_merge=True, row_tiles=2)}
-
-
-@pytest.mark.parametrize("tuning", LAYER_REACH_TUNINGS.values(), ids=LAYER_REACH_TUNINGS.keys())
+@pytest.mark.parametrize("tuning", ATTENTION_TUNINGS.values(), ids=ATTENTION_TUNINGS.keys())
 def test_a_rows_layer_output_does_not_depend_on_how_far_its_pass_reaches(tuning, nan_empty):
     """The same at the layer: rows 0 and 1 of a 3-token pass get the same bits whether row 2 writes slot
-    12 or slot 50, whatever merges the split attention (its own kernel or o_proj reading its input)."""
+    12 or slot 50, split or not."""
     model = kernel_target().optimize()
     layer = model.layers[0]
     g, cache = random_cache(layer, 9), layer.self_attn.kv_cache
@@ -257,8 +226,7 @@ def test_a_rows_layer_output_does_not_depend_on_how_far_its_pass_reaches(tuning,
     assert torch.equal(outs[0][0, :2], outs[1][0, :2])
 
 
-@pytest.mark.parametrize("tuning", [kernels.Tuning(), kernels.Tuning(split=16, slots=16),
-                                    kernels.Tuning(split=16, slots=16, fuse_merge=True)], ids=["default", "split16", "split16-fused"])
+@pytest.mark.parametrize("tuning", [kernels.Tuning(split=0), kernels.Tuning(split=16, slots=16)], ids=["unsplit", "split16"])
 def test_speculative_decoding_on_the_kernels_equals_plain_greedy(tuning):
     eager = kernel_target(layers=4)  # a drafter reads three distinct aux layers
     model = kernel_target(layers=4).optimize(kernels="triton", tuning=tuning)
@@ -306,18 +274,15 @@ SMOLLM2_WIDTHS = dict(hidden_size=576, num_attention_heads=9, num_key_value_head
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("row_tiles,compiled,split,fuse", [(1, False, 0, False), (4, True, 0, False), (1, False, 128, False),
-                                                         (4, False, 128, True)],
-                         ids=["default", "row-tiles4-fold-compiled-drafter", "split128", "split128-fused-row-tiles4"])
-def test_fp32_speculation_on_cuda_kernels_at_smollm2_widths_equals_plain(row_tiles, compiled, split, fuse):
+@pytest.mark.parametrize("split,compiled", [(128, False), (0, True)], ids=["default", "unsplit-compiled-drafter"])
+def test_fp32_speculation_on_cuda_kernels_at_smollm2_widths_equals_plain(split, compiled):
     """The device bench's fp32 exactness check, at SmolLM2's widths with the default Tuning under CUDA
     graphs: the fp32 tiles must fit an SM (the bench's fp32 check once died of OutOfResources) and a
-    token's bits must not depend on the pass it is in. Also with 4 row tiles a program and the drafter
-    compiled as bench compiles it (its steps and the verify cycle's acceptance and catch-up), and with
-    attention split over the cache (two 128-slot chunks), merged by its own kernel or by o_proj."""
+    token's bits must not depend on the pass it is in. Also unsplit, with the drafter compiled as bench
+    compiles it (its steps and the verify cycle's acceptance and catch-up)."""
     from draftsmith.cudagraph import Graphs
 
-    tuning = kernels.Tuning(row_tiles=row_tiles, fold_norm=compiled, split=split, fuse_merge=fuse)
+    tuning = kernels.Tuning(split=split)
     model = tiny_native(layers=4, **SMOLLM2_WIDTHS).optimize(kernels="triton", tuning=tuning)
     drafter = tiny_drafter(model, draft_vocab=200).cuda()
     if compiled:
@@ -335,10 +300,9 @@ def test_fp32_speculation_on_cuda_kernels_at_smollm2_widths_equals_plain(row_til
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("fold_norm,split,fuse", [(False, 0, False), (True, 0, False), (False, 256, False), (False, 256, True)],
-                         ids=["norm-pass", "fold-norm", "split256", "split256-fused"])
+@pytest.mark.parametrize("split", [0, 128, 256])
 @pytest.mark.parametrize("T", [1, 8, 49])
-def test_bf16_kernels_fit_and_match_at_the_llama8b_layer_shape(T, fold_norm, split, fuse):
+def test_bf16_kernels_fit_and_match_at_the_llama8b_layer_shape(T, split):
     """One Llama-3.1-8B-shaped layer (4096 wide, 32 heads of 128, 8 kv heads, 14336 MLP) with the
     default Tuning, for a decode step, a chain verify and a 49-node tree's row count: it compiles (its
     tiles fit an SM) and its bf16 output is as close to the layer computed in fp32 (same bf16 weights,
@@ -363,7 +327,7 @@ def test_bf16_kernels_fit_and_match_at_the_llama8b_layer_shape(T, fold_norm, spl
     x = torch.randn(1, T, 4096, device="cuda", dtype=torch.bfloat16)
     exact = layer32(x.float(), *model32.rotary(pos[None], torch.float32), pos, mask)
     cos, sin = model.rotary(pos[None], x.dtype)
-    ref, (kr, vr), out, (k, v) = run_both(layer, x, cos, sin, pos, mask, kernels.Tuning(fold_norm=fold_norm, split=split, fuse_merge=fuse))
+    ref, (kr, vr), out, (k, v) = run_both(layer, x, cos, sin, pos, mask, kernels.Tuning(split=split))
     torch_err = (ref.float() - exact).abs().max()
     kernel_err = (out.float() - exact).abs().max()
     assert kernel_err <= 2 * torch_err + 1e-3 * exact.abs().max(), (kernel_err, torch_err, exact.abs().max())
