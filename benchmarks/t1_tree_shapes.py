@@ -39,6 +39,8 @@ def main():
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--shapes", default="8x6x48,4x6x24,2x6x12,4x4x16,1x5x5", help="top-k x depth x nodes, comma-separated")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--score-temperatures", default="1", help="greedy trees: divide the drafter's logits by each of these"
+                    " before its log-softmax scores (at T=0 only the tree's ranking across nodes changes, not the tokens)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     target = load_target(a.target, "cpu", torch.float32)
@@ -48,9 +50,15 @@ def main():
     res = {"command": shlex.join(["python", *sys.argv]), "commit": git_commit(), "device": device_name("cpu"),
            "drafter": a.drafter, "prompts": len(prompts), "max_new_tokens": a.max_new_tokens, "temperature": a.temperature,
            "shapes": {}}
-    for shape in a.shapes.split(","):
+    logits, first_tokens = drafter.logits, {}
+    runs = [(shape, float(st)) for st in a.score_temperatures.split(",") for shape in a.shapes.split(",")]
+    for shape, score_t in runs:
+        if score_t != 1 and a.temperature != 0:
+            raise SystemExit("--score-temperatures applies to greedy trees (--temperature 0) only")
+        drafter.logits = logits if score_t == 1 else (lambda h, t=score_t: logits(h) / t)
+        name = shape if score_t == 1 else f"{shape}@score_t{score_t:g}"
         k, steps, nodes = (int(x) for x in shape.split("x"))
-        gen, lengths, t = torch.Generator().manual_seed(a.seed), [], time.perf_counter()
+        gen, lengths, tokens, t = torch.Generator().manual_seed(a.seed), [], [], time.perf_counter()
         for x in prompts:
             if k == 1 and nodes == steps and a.temperature == 0:
                 out = decode_chain(model, drafter, x, a.max_new_tokens, steps, target.eos_ids)
@@ -60,10 +68,12 @@ def main():
                 out = decode_tree(model, drafter, x, a.max_new_tokens, TreeSpec(k, steps, nodes), target.eos_ids,
                                   temperature=a.temperature, generator=gen)
             lengths += out.accept_lengths
-        res["shapes"][shape] = {"topk": k, "depth": steps, "nodes": nodes, "cycles": len(lengths),
+            tokens.append(out.tokens)
+        res["shapes"][name] = {"topk": k, "depth": steps, "nodes": nodes, "score_temperature": score_t, "cycles": len(lengths),
                                 "tau_mean": round(sum(lengths) / len(lengths), 3), "accept_by_depth": [round(x, 3) for x in accept_by_position(lengths, steps)],
-                                "wall_s": round(time.perf_counter() - t, 1)}
-        print(shape, res["shapes"][shape], flush=True)
+                                "wall_s": round(time.perf_counter() - t, 1),
+                                "same_tokens_as_first_run_of_shape": tokens == first_tokens.setdefault(shape, tokens)}
+        print(name, res["shapes"][name], flush=True)
         Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
 
 
