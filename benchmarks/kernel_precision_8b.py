@@ -8,7 +8,7 @@ the 8B-layer GPU test's tolerance (tests/test_kernels.py). One random layer (409
   and input): how far one bf16 pass is from exact.
 
     python benchmarks/kernel_precision_8b.py --out benchmarks/results/logs/kernel-precision-8b-cpu.json   (~6 min)
-    python benchmarks/kernel_precision_8b.py --fold-norm --out benchmarks/results/logs/kernel-precision-8b-fold-cpu.json
+    python benchmarks/kernel_precision_8b.py --split 0 --out ...   (attention unsplit)
 """
 
 import argparse

@@ -38,6 +38,7 @@ from draftsmith.decode import TreeSpec, decode_chain, decode_plain, decode_tree,
 from draftsmith.draft import DraftConfig, Eagle3Drafter  # noqa: E402
 from h200_run import SMOLLM2, TRITON_VARIANTS, optimize_for, random_model, step_times  # noqa: E402
 
+
 def spec_name(spec: TreeSpec) -> str:
     return f"{spec.topk}x{spec.steps}x{spec.num_draft_tokens}"
 

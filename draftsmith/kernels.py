@@ -209,6 +209,13 @@ def _attend(q, kc_ptr, vc_ptr, m_ptr, t, ok, j, S, m_row, m_col, scale, lo, hi, 
 
 
 @triton.jit
+def _slots_end(slot_ptr, n_rows, TMAX: tl.constexpr):
+    """One past the largest cache slot the pass writes: attention reads the slots below it."""
+    rt = tl.arange(0, TMAX)
+    return tl.max(tl.load(slot_ptr + rt, mask=rt < n_rows, other=0), axis=0) + 1
+
+
+@triton.jit
 def _query_rows(q_ptr, slot_ptr, n_rows, H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
                 TMAX: tl.constexpr):
     """An attention program's rows (token t, query head of kv head program_id(0)'s group) of row block
@@ -219,9 +226,7 @@ def _query_rows(q_ptr, slot_ptr, n_rows, H: tl.constexpr, KV: tl.constexpr, D: t
     head = tl.program_id(0) * REP + r % REP
     ok = t < n_rows
     q = tl.load(q_ptr + (t * H + head)[:, None] * D + tl.arange(0, D)[None, :], mask=ok[:, None], other=0.0)
-    rt = tl.arange(0, TMAX)
-    hi = tl.max(tl.load(slot_ptr + rt, mask=rt < n_rows, other=0), axis=0) + 1
-    return t, head, ok, q, hi
+    return t, head, ok, q, _slots_end(slot_ptr, n_rows, TMAX)
 
 
 @triton.jit
@@ -258,14 +263,13 @@ def _attention_part(q_ptr, kc_ptr, vc_ptr, m_ptr, slot_ptr, pm_ptr, pl_ptr, pacc
 @triton.jit
 def _attention_merge(pm_ptr, pl_ptr, pacc_ptr, slot_ptr, o_ptr, n_rows, H: tl.constexpr, D: tl.constexpr,
                      CH: tl.constexpr, NCP: tl.constexpr, TMAX: tl.constexpr):
-    # program (row = token t * H + head): the chunks' partial softmaxes as one. All chunks below hi are
-    # read, in chunk order; a chunk a row cannot see holds (-inf, 0, 0) and adds exact zeros, so a row's
-    # bits are the same in a one-token step as in a verify pass at the same slot.
+    # program (row = token t * H + head): the chunks' partial softmaxes as one, summed over a fixed
+    # NCP-wide vector. Chunks at or past the pass's end are not read, and a chunk the row cannot see
+    # holds (-inf, 0, 0): either way (-inf, 0, 0) at that place, so a row's bits are the same in a
+    # one-token step as in a verify pass at the same slot.
     row = tl.program_id(0)
-    rt = tl.arange(0, TMAX)
-    hi = tl.max(tl.load(slot_ptr + rt, mask=rt < n_rows, other=0), axis=0) + 1
     c = tl.arange(0, NCP)
-    real = c < tl.cdiv(hi, CH)
+    real = c < tl.cdiv(_slots_end(slot_ptr, n_rows, TMAX), CH)
     at = c * n_rows * H + row
     m = tl.load(pm_ptr + at, mask=real, other=float("-inf"))
     l = tl.load(pl_ptr + at, mask=real, other=0.0)

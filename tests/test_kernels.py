@@ -50,10 +50,11 @@ def random_cache(layer, seed: int) -> torch.Generator:
 
 # the default tiles take one step over this tiny model's rows and cache; small tiles take several
 # (the reduction loops and the attention's running softmax across slot blocks); split16/32: the attention
-# over 4 or 2 chunks of the 64-slot cache, merged (the default's 128-slot chunks are one chunk here)
+# over 4 or 2 chunks of the 64-slot cache, merged (the default's 128-slot chunks are one chunk here).
+# Tuning.pairs has its own test: these heads (32 wide) have 16 rotary pairs, the default.
 TUNINGS = {"default": kernels.Tuning(), "unsplit": kernels.Tuning(split=0),
            "small-tiles": kernels.Tuning(bk_max=16, slots=16, warps=2, split=0),
-           "cols32-stages2": kernels.Tuning(bk_max=32, slots=32, cols=32, stages=2), "pairs32": kernels.Tuning(pairs=32),
+           "cols32-stages2": kernels.Tuning(bk_max=32, slots=32, cols=32, stages=2),
            "split16": kernels.Tuning(split=16, slots=16), "split32": kernels.Tuning(split=32)}
 
 
