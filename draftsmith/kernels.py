@@ -10,14 +10,18 @@ At batch 1 SmolLM2-135M's compiled decode step is ~560 kernels of ~2 us each on 
   4. rmsnorm -> gate/up matmul -> silu(gate) * up
   5. down_proj + residual
 
-Rows (query tokens) go in tiles of ROWS whatever their number, so a token gets the same arithmetic
-in a one-token step as in a 48-node tree verify: in fp32 speculative output equals plain output,
-as with the torch path. That needs tl.dot to give a row the same bits wherever it sits in its tile:
-true on CUDA (tested in fp32 and bf16), not under the interpreter where numpy's BLAS is not. Intermediate results
-are rounded to the model's dtype where the torch layer rounds them (matmul outputs, silu, the
-residual adds). Attention reads the slots up to the largest one being written: every mask the
-engine builds (causal, chain, tree) hides later ones. Tree verification's KV commit is one kernel
-for all layers (SlotMover).
+A token gets the same arithmetic in a one-token step as in a 48-node tree verify: the decoder layers
+give it the same bits, in bf16 as in fp32 (so in fp32 speculative output equals plain output, as
+with the torch path, and bf16 near-ties break the same way in both). Matmul rows go in tiles of ROWS
+whatever their number, which needs tl.dot to give a row the same bits wherever it sits in its tile:
+true on CUDA (tested in fp32 and bf16), not under the interpreter where numpy's BLAS is not.
+Attention takes one token a program (its query heads, as a one-token step has them), and a tree
+token's ancestors become its keys right after the prefix, in order, which is where plain decoding
+puts them: a reduction's bits depend on where its terms sit. Intermediate results are rounded to
+the model's dtype where the torch layer rounds them (matmul outputs, silu, the residual adds).
+Attention reads the slots up to the largest one being written: every mask the engine builds
+(causal, chain, tree) hides later ones. Tree verification's KV commit is one kernel for all layers
+(SlotMover).
 
 `Transformer.optimize(kernels="triton")` routes batch-1 short queries of supported layers here
 (`supports`); everything else keeps the torch path. Tests run these kernels on the CPU through
@@ -179,24 +183,34 @@ def _qkv_rope_cache(x_ptr, nw_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, slot_ptr, q_p
 
 
 @triton.jit
-def _attend(q, kc_ptr, vc_ptr, m_ptr, t, ok, j, S, m_row, m_col, scale, lo, hi, D: tl.constexpr, BS: tl.constexpr,
-            BM: tl.constexpr, PREC: tl.constexpr):
-    """Online softmax of query rows q (BM, D) of kv head j over cache slots lo..hi-1 under the mask:
-    (running max, sum of exponentials, unnormalised output). Masked slots add exact zeros, so a row's
-    result does not depend on how far past its own slot hi reaches."""
+def _attend(q, kc_ptr, vc_ptr, m_ptr, t, j, S, m_row, m_col, scale, lo, hi, base, vis, rank, laid,
+            D: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr, WIN: tl.constexpr, PREC: tl.constexpr):
+    """Online softmax of token t's query rows q (BM, D) of kv head j over its keys lo..hi-1 under the mask:
+    (running max, sum of exponentials, unnormalised output). Keys before base are the cache slots of the
+    same number; with `laid`, key base + i is the i-th slot from base on that t sees (_path), so a tree
+    token reduces over its ancestors in the places plain decoding gives them. Masked keys add exact
+    zeros, so a row's result does not depend on how far past its own keys hi reaches."""
     rd = tl.arange(0, D)
     m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BM], dtype=tl.float32)
     acc = tl.zeros([BM, D], dtype=tl.float32)
     dt = q.dtype
+    u = tl.arange(0, WIN)
     for s0 in range(lo, hi, BS):
         rs = s0 + tl.arange(0, BS)
         inside = rs < hi
-        kv_at = (j * S + rs)[:, None] * D + rd[None, :]
+        slot = rs.to(tl.int64)
+        seen = tl.load(m_ptr + t * m_row + rs * m_col, mask=inside, other=0) != 0
+        if laid:
+            if s0 + BS > base:  # the block reaches the pass's own slots: the token's i-th seen one at key base + i
+                i = rs - base
+                nth = tl.sum(tl.where(vis[None, :] & (rank[None, :] == i[:, None]), u[None, :], 0), axis=1)
+                slot = tl.where(i >= 0, base + nth, slot)
+                seen = tl.where(i >= 0, inside, seen)
+        kv_at = (j * S + slot)[:, None] * D + rd[None, :]
         k = tl.load(kc_ptr + kv_at, mask=inside[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PREC).to(dt).to(tl.float32) * scale  # (BM, BS), rounded as q @ k^T is
-        seen = tl.load(m_ptr + t[:, None] * m_row + rs[None, :] * m_col, mask=ok[:, None] & inside[None, :], other=0)
-        s = tl.where(seen != 0, s, float("-inf"))
+        s = tl.where(seen[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet: no nan
         p = tl.exp(s - m_use[:, None])
@@ -216,26 +230,41 @@ def _slots_end(slot_ptr, n_rows, TMAX: tl.constexpr):
 
 
 @triton.jit
-def _query_rows(q_ptr, slot_ptr, n_rows, H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
-                TMAX: tl.constexpr):
-    """An attention program's rows (token t, query head of kv head program_id(0)'s group) of row block
-    program_id(1): t, head, which are real, their q (BM, D), and hi: slots past the last one written are hidden."""
+def _token_rows(q_ptr, slot_ptr, m_ptr, n_rows, m_row, m_col, H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr,
+                BM: tl.constexpr, TMAX: tl.constexpr, WIN: tl.constexpr):
+    """An attention program's rows: the query heads of kv head program_id(0)'s group for token
+    t = program_id(1), so they are the rows a one-token step at the token's slot has. Returns t, head,
+    which rows are real, their q (BM, D), the pass's first slot (base) and one past its last (end), and
+    _path's layout of the slots t sees from base on (hi: one past its last key)."""
     REP: tl.constexpr = H // KV
-    r = tl.program_id(1) * BM + tl.arange(0, BM)
-    t = r // REP
-    head = tl.program_id(0) * REP + r % REP
-    ok = t < n_rows
+    t = tl.program_id(1)
+    r = tl.arange(0, BM)
+    head = tl.program_id(0) * REP + r
+    ok = r < REP
     q = tl.load(q_ptr + (t * H + head)[:, None] * D + tl.arange(0, D)[None, :], mask=ok[:, None], other=0.0)
-    return t, head, ok, q, _slots_end(slot_ptr, n_rows, TMAX)
+    rt = tl.arange(0, TMAX)
+    slots = tl.load(slot_ptr + rt, mask=rt < n_rows, other=0)
+    end = tl.max(slots, axis=0) + 1
+    base = tl.min(tl.where(rt < n_rows, slots, end), axis=0)
+    # the slots from base on that t sees, in order, become its keys base, base + 1, ... (a tree token's
+    # ancestors, as plain decoding leaves them); a pass spread wider than WIN slots keeps the cache's order
+    u = tl.arange(0, WIN)
+    vis = tl.load(m_ptr + t * m_row + (base + u) * m_col, mask=base + u < end, other=0) != 0
+    rank = tl.cumsum(vis.to(tl.int32), axis=0) - 1
+    laid = end - base <= WIN
+    hi = tl.where(laid, base + tl.sum(vis.to(tl.int32), axis=0), end)
+    return t, head, ok, q, base, end, vis, rank, laid, hi
 
 
 @triton.jit
 def _attention(q_ptr, kc_ptr, vc_ptr, m_ptr, slot_ptr, o_ptr, n_rows, S, m_row, m_col, scale,
                H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr,
                TMAX: tl.constexpr, PREC: tl.constexpr):
-    # program (kv head, row block); a row is (token t, query head of this kv head's group)
-    t, head, ok, q, hi = _query_rows(q_ptr, slot_ptr, n_rows, H, KV, D, BM, TMAX)
-    m_i, l_i, acc = _attend(q, kc_ptr, vc_ptr, m_ptr, t, ok, tl.program_id(0), S, m_row, m_col, scale, 0, hi, D, BS, BM, PREC)
+    # program (kv head, token): its query heads over its keys
+    t, head, ok, q, base, end, vis, rank, laid, hi = _token_rows(q_ptr, slot_ptr, m_ptr, n_rows, m_row, m_col, H, KV, D, BM,
+                                                                 TMAX, TMAX)
+    m_i, l_i, acc = _attend(q, kc_ptr, vc_ptr, m_ptr, t, tl.program_id(0), S, m_row, m_col, scale, 0, hi, base, vis, rank,
+                            laid, D, BS, BM, TMAX, PREC)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     rd = tl.arange(0, D)
     tl.store(o_ptr + (t * H + head)[:, None] * D + rd[None, :], out.to(q.dtype), mask=ok[:, None])
@@ -245,15 +274,17 @@ def _attention(q_ptr, kc_ptr, vc_ptr, m_ptr, slot_ptr, o_ptr, n_rows, S, m_row, 
 def _attention_part(q_ptr, kc_ptr, vc_ptr, m_ptr, slot_ptr, pm_ptr, pl_ptr, pacc_ptr, n_rows, S, m_row, m_col, scale,
                     H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr,
                     TMAX: tl.constexpr, CH: tl.constexpr, PREC: tl.constexpr):
-    # split-KV (flash-decoding): program (kv head, row block, chunk c of CH slots) attends over its chunk
-    # and writes the running max, sum and unnormalised output for _attention_merge; chunks at or past
-    # hi write nothing (the merge reads only the chunks below hi)
-    t, head, ok, q, hi = _query_rows(q_ptr, slot_ptr, n_rows, H, KV, D, BM, TMAX)
+    # split-KV (flash-decoding): program (kv head, token, chunk c of CH keys) attends over its chunk and
+    # writes the running max, sum and unnormalised output for _attention_merge. Chunks at or past the
+    # pass's end write nothing (the merge reads only the chunks below it); those past the token's own
+    # keys write (-inf, 0, 0), as a one-token step's merge reads them there
+    t, head, ok, q, base, end, vis, rank, laid, hi = _token_rows(q_ptr, slot_ptr, m_ptr, n_rows, m_row, m_col, H, KV, D, BM,
+                                                                 TMAX, TMAX)
     c = tl.program_id(2)
     lo = c * CH
-    if lo < hi:
-        m_i, l_i, acc = _attend(q, kc_ptr, vc_ptr, m_ptr, t, ok, tl.program_id(0), S, m_row, m_col, scale, lo,
-                                tl.minimum(lo + CH, hi), D, BS, BM, PREC)
+    if lo < end:
+        m_i, l_i, acc = _attend(q, kc_ptr, vc_ptr, m_ptr, t, tl.program_id(0), S, m_row, m_col, scale, lo,
+                                tl.minimum(lo + CH, hi), base, vis, rank, laid, D, BS, BM, TMAX, PREC)
         at = c * n_rows * H + t * H + head  # partials (chunks, T, H[, D])
         tl.store(pm_ptr + at, m_i, mask=ok)
         tl.store(pl_ptr + at, l_i, mask=ok)
@@ -373,12 +404,14 @@ def _block(n: int, want_programs: int = 128) -> int:
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, input_pos: torch.Tensor,
               out: torch.Tensor, tuning: Tuning = Tuning()):
     """out (T, H * D) = attention of q (T, H, D) over caches k, v (1, KV, S, D) under mask (T, S), reading
-    the slots up to the largest in input_pos; in one kernel, or split over the cache (Tuning.split)."""
+    the slots up to the largest in input_pos; in one kernel, or split over the cache (Tuning.split).
+    A program takes one token's query heads of one kv head (padded to a tile), as a one-token step does."""
     T, h, D = q.shape
     kv, S = k.shape[1], k.shape[2]
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
-    grid, bs = (kv, triton.cdiv(T * (h // kv), ROWS)), tuning.slots_for(q.element_size())
-    common = dict(H=h, KV=kv, D=D, BM=ROWS, TMAX=MAX_T, PREC=prec, num_warps=tuning.warps)
+    grid, bs = (kv, T), tuning.slots_for(q.element_size())
+    common = dict(H=h, KV=kv, D=D, BM=max(ROWS, triton.next_power_of_2(h // kv)), TMAX=MAX_T, PREC=prec,
+                  num_warps=tuning.warps)
     if not tuning.split:
         _attention[grid](q, k, v, mask, input_pos, out, T, S, mask.stride(0), mask.stride(1), D**-0.5, BS=bs, **common)
         return
