@@ -276,6 +276,23 @@ def test_a_tree_tokens_attention_has_the_bits_of_a_one_token_step_over_its_path(
 
 
 @pytest.mark.parametrize("tuning", ATTENTION_TUNINGS.values(), ids=ATTENTION_TUNINGS.keys())
+def test_a_pass_spread_wider_than_the_layout_window_keeps_the_caches_order(tuning, nan_empty):
+    """The kernels lay out the slots a token sees within kernels.MAX_T slots of the pass's first one; a
+    pass whose slots spread further (the engine never writes such) attends in the cache's own order, still right."""
+    g = torch.Generator().manual_seed(12)
+    T, h, kv, D, S2 = 3, 2, 1, 32, 2 * kernels.MAX_T
+    q = torch.randn(T, h, D, generator=g)
+    k, v = torch.randn(1, kv, S2, D, generator=g), torch.randn(1, kv, S2, D, generator=g)
+    pos = torch.tensor([5, 6, 5 + kernels.MAX_T + 20])
+    mask = causal_mask(pos, S2)[0, 0]
+    mask[2, 7:40] = False  # and a gap the layout would have closed
+    out = torch.empty(T, h * D)
+    kernels.attention(q, k, v, mask, pos, out, tuning)
+    ref = torch.softmax((q.transpose(0, 1) @ k[0].transpose(1, 2)) * D**-0.5 + torch.where(mask, 0.0, float("-inf")), -1) @ v[0]
+    torch.testing.assert_close(out.view(T, h, D), ref.transpose(0, 1), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("tuning", ATTENTION_TUNINGS.values(), ids=ATTENTION_TUNINGS.keys())
 def test_a_rows_layer_output_does_not_depend_on_how_far_its_pass_reaches(tuning, nan_empty):
     """The same at the layer: rows 0 and 1 of a 3-token pass get the same bits whether row 2 writes slot
     12 or slot 50, split or not."""
