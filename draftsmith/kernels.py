@@ -187,7 +187,7 @@ def _attend(q, kc_ptr, vc_ptr, m_ptr, t, j, S, m_row, m_col, scale, lo, hi, base
             D: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr, WIN: tl.constexpr, PREC: tl.constexpr):
     """Online softmax of token t's query rows q (BM, D) of kv head j over its keys lo..hi-1 under the mask:
     (running max, sum of exponentials, unnormalised output). Keys before base are the cache slots of the
-    same number; with `laid`, key base + i is the i-th slot from base on that t sees (_path), so a tree
+    same number; with `laid`, key base + i is the i-th slot from base on that t sees (_token_rows), so a tree
     token reduces over its ancestors in the places plain decoding gives them. Masked keys add exact
     zeros, so a row's result does not depend on how far past its own keys hi reaches."""
     rd = tl.arange(0, D)
@@ -235,7 +235,7 @@ def _token_rows(q_ptr, slot_ptr, m_ptr, n_rows, m_row, m_col, H: tl.constexpr, K
     """An attention program's rows: the query heads of kv head program_id(0)'s group for token
     t = program_id(1), so they are the rows a one-token step at the token's slot has. Returns t, head,
     which rows are real, their q (BM, D), the pass's first slot (base) and one past its last (end), and
-    _path's layout of the slots t sees from base on (hi: one past its last key)."""
+    the layout of the slots t sees from base on (hi: one past its last key)."""
     REP: tl.constexpr = H // KV
     t = tl.program_id(1)
     r = tl.arange(0, BM)

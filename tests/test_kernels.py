@@ -210,6 +210,14 @@ ATTENTION_TUNINGS = {"one-block": kernels.Tuning(split=0), "blocks16": kernels.T
                      "split16": kernels.Tuning(split=16, slots=16), "split32": kernels.Tuning(split=32)}
 
 
+def attention_reference(q, k, v, mask):
+    """(T, h, D): softmax attention of q (T, h, D) over k, v (1, kv, S, D) under mask (T, S), in torch."""
+    h, kv, D = q.shape[1], k.shape[1], q.shape[2]
+    k, v = (c[0].repeat_interleave(h // kv, 0) for c in (k, v))
+    w = q.transpose(0, 1) @ k.transpose(1, 2) * D**-0.5 + torch.where(mask, 0.0, float("-inf"))
+    return (torch.softmax(w, -1) @ v).transpose(0, 1)
+
+
 @pytest.fixture
 def nan_empty(monkeypatch):
     """torch.empty fills floating tensors with nan, so a kernel that reads what nobody wrote (a split
@@ -237,8 +245,8 @@ def test_a_rows_attention_does_not_depend_on_how_far_its_pass_reaches(tuning, na
         pos = torch.tensor([10, 11, last])
         out = torch.empty(T, h * D)
         kernels.attention(q, k, v, causal_mask(pos, S)[0, 0], pos, out, tuning)
-        ref = torch.softmax((q.transpose(0, 1) @ k[0].transpose(1, 2)) * D**-0.5 + torch.where(causal_mask(pos, S)[0], 0.0, float("-inf")), -1) @ v[0]
-        torch.testing.assert_close(out.view(T, h, D), ref.transpose(0, 1), atol=2e-5, rtol=2e-5)
+        ref = attention_reference(q, k, v, causal_mask(pos, S)[0, 0])
+        torch.testing.assert_close(out.view(T, h, D), ref, atol=2e-5, rtol=2e-5)
         outs.append(out)
     assert torch.equal(outs[0][:2], outs[1][:2])
     assert not torch.equal(outs[0][2], outs[1][2])
@@ -262,9 +270,7 @@ def test_a_tree_tokens_attention_has_the_bits_of_a_one_token_step_over_its_path(
     mask = tree_mask(anc, torch.tensor(p0), S)[0, 0]
     out = torch.empty(T, h * D)
     kernels.attention(q, k, v, mask, pos, out, tuning)
-    rep = k[0].repeat_interleave(h // kv, 0), v[0].repeat_interleave(h // kv, 0)
-    ref = torch.softmax(q.transpose(0, 1) @ rep[0].transpose(1, 2) * D**-0.5 + torch.where(mask, 0.0, float("-inf")), -1) @ rep[1]
-    torch.testing.assert_close(out.view(T, h, D), ref.transpose(0, 1), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(out.view(T, h, D), attention_reference(q, k, v, mask), atol=2e-5, rtol=2e-5)
     for t in range(T):
         path = p0 + anc[t].nonzero().flatten()  # the slots of the root, ..., the token itself
         k1, v1 = k.clone(), v.clone()  # plain decoding's cache: the path in the slots after the prefix
@@ -288,8 +294,7 @@ def test_a_pass_spread_wider_than_the_layout_window_keeps_the_caches_order(tunin
     mask[2, 7:40] = False  # and a gap the layout would have closed
     out = torch.empty(T, h * D)
     kernels.attention(q, k, v, mask, pos, out, tuning)
-    ref = torch.softmax((q.transpose(0, 1) @ k[0].transpose(1, 2)) * D**-0.5 + torch.where(mask, 0.0, float("-inf")), -1) @ v[0]
-    torch.testing.assert_close(out.view(T, h, D), ref.transpose(0, 1), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(out.view(T, h, D), attention_reference(q, k, v, mask), atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("tuning", ATTENTION_TUNINGS.values(), ids=ATTENTION_TUNINGS.keys())
