@@ -349,7 +349,7 @@ def kernel_profile(run, top_n: int = 40) -> dict:
 # its kernels read TRITON_INTERPRET when defined, which tests set before importing it)
 TRITON_VARIANTS = {"triton": {}, "triton_torch_commit": {"move_slots": False}, "triton_unsplit": {"split": 0},
                    "triton_split64": {"split": 64}, "triton_split256": {"split": 256}, "triton_pairs32": {"pairs": 32},
-                   "triton_cols32": {"cols": 32}, "triton_cols64": {"cols": 64}}
+                   "triton_cols32": {"cols": 32}, "triton_cols64": {"cols": 64}, "triton_torch_head": {"head": False}}
 ENGINE_VARIANTS = ("graphs", "compiled", "compiled_model", "compiled_model_cdt", "compiled_sdpa", "compiled_autotune", "triton",
                    "triton_sweep")  # engine's default --variants
 

@@ -21,7 +21,8 @@ puts them: a reduction's bits depend on where its terms sit. Intermediate result
 the model's dtype where the torch layer rounds them (matmul outputs, silu, the residual adds).
 Attention reads the slots up to the largest one being written: every mask the engine builds
 (causal, chain, tree) hides later ones. Tree verification's KV commit is one kernel for all layers
-(SlotMover).
+(SlotMover). The model's final norm and lm_head run here too (Head), rows in tiles, so a token's
+logits, and with them its greedy choice, do not depend on the pass either.
 
 `Transformer.optimize(kernels="triton")` routes batch-1 short queries of supported layers here
 (`supports`); everything else keeps the torch path. Tests run these kernels on the CPU through
@@ -64,6 +65,9 @@ class Tuning:
     # attention split over the cache (flash-decoding): slots a program, its partial softmaxes merged by a
     # sixth kernel; 0: one program a kv head and row block walks every slot (SmolLM2: 3 programs a step)
     split: int = 128
+    # the final RMSNorm and the lm_head of short batch-1 passes as kernels too (rows in tiles, so a token's
+    # logits have the same bits in any pass); False: torch's, whose cuBLAS kernels are chosen by row count
+    head: bool = True
 
     def __post_init__(self):
         for name in ("bk_max", "slots"):
@@ -314,9 +318,9 @@ def _attention_merge(pm_ptr, pl_ptr, pacc_ptr, slot_ptr, o_ptr, n_rows, H: tl.co
 
 
 @triton.jit
-def _linear_residual(a_ptr, w_ptr, r_ptr, y_ptr, n_rows, K: tl.constexpr, N: tl.constexpr, BN: tl.constexpr,
-                     BK: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr):
-    # y = r + a @ w^T, program (column block, row tile)
+def _linear(a_ptr, w_ptr, r_ptr, y_ptr, n_rows, K: tl.constexpr, N: tl.constexpr, BN: tl.constexpr,
+            BK: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr, RESIDUAL: tl.constexpr):
+    # y = r + a @ w^T (or a @ w^T), program (column block, row tile)
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     rm = tl.program_id(1) * BM + tl.arange(0, BM)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
@@ -326,15 +330,29 @@ def _linear_residual(a_ptr, w_ptr, r_ptr, y_ptr, n_rows, K: tl.constexpr, N: tl.
         acc += tl.dot(_rows(a_ptr, rm, rk, n_rows, K), w, input_precision=PREC)
     at = rm[:, None] * N + rn[None, :]
     inside = (rm[:, None] < n_rows) & (rn[None, :] < N)
-    r = tl.load(r_ptr + at, mask=inside, other=0.0)
-    tl.store(y_ptr + at, r + acc.to(r.dtype), mask=inside)
+    if RESIDUAL:
+        r = tl.load(r_ptr + at, mask=inside, other=0.0)
+        tl.store(y_ptr + at, r + acc.to(r.dtype), mask=inside)
+    else:
+        tl.store(y_ptr + at, acc.to(y_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _rmsnorm(x_ptr, nw_ptr, y_ptr, n_rows, eps, K: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr):
+    # program (row tile): RMSNorm rounded as RMSNorm.forward rounds it, as the layers' kernels compute it
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rstd = _rstd(x_ptr, rm, n_rows, eps, K, BK, BM)
+    for k0 in range(0, K, BK):
+        rk = k0 + tl.arange(0, BK)
+        y = _normed(x_ptr, nw_ptr, rm, rk, n_rows, rstd, K)
+        tl.store(y_ptr + rm[:, None] * K + rk[None, :], y, mask=(rm[:, None] < n_rows) & (rk[None, :] < K))
 
 
 @triton.jit
 def _gate_up(x_ptr, nw_ptr, w_ptr, y_ptr, n_rows, eps, K: tl.constexpr, I: tl.constexpr, BN: tl.constexpr,
              BK: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr):
     # y = silu(norm(x) @ gate^T) * (norm(x) @ up^T); w is gate_up (2I, K): gate rows, then up rows.
-    # Program (column block, row tile), as _linear_residual.
+    # Program (column block, row tile), as _linear.
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     rm = tl.program_id(1) * BM + tl.arange(0, BM)
     acc_g, acc_u = _normed_dots(x_ptr, nw_ptr, w_ptr, rn, rn + I, rn < I, rm, n_rows, eps, K, BN, BK, BM, PREC)
@@ -435,9 +453,8 @@ def layer_forward(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     x2 = x.reshape(T, Hd).contiguous()
     cos, sin = cos.reshape(-1, D)[-T:].contiguous(), sin.reshape(-1, D)[-T:].contiguous()  # (T, D)
     rows = triton.cdiv(T, ROWS)  # row tiles
-    prec = "ieee" if x.dtype == torch.float32 else "tf32"
-    size, nw = x.element_size(), tuning.warps
-    mm = dict(BM=ROWS, PREC=prec, num_warps=nw, **({"num_stages": tuning.stages} if tuning.stages else {}))  # the matmuls'
+    size = x.element_size()
+    mm = _matmul_options(x, tuning)
     bk = tuning.bk(Hd, size)
     bias = attn.qkv.bias
     q = torch.empty(T, h, D, dtype=x.dtype, device=x.device)
@@ -449,11 +466,60 @@ def layer_forward(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     attention(q, cache.k, cache.v, mask[0, 0], input_pos, o, tuning)
     h1 = torch.empty_like(x2)
     bn = tuning.cols or _block(Hd)
-    _linear_residual[(triton.cdiv(Hd, bn), rows)](o, attn.o_proj.weight, x2, h1, T, K=h * D, N=Hd, BN=bn, BK=tuning.bk(h * D, size), **mm)
+    _linear[(triton.cdiv(Hd, bn), rows)](o, attn.o_proj.weight, x2, h1, T, K=h * D, N=Hd, BN=bn, BK=tuning.bk(h * D, size),
+                                         RESIDUAL=True, **mm)
     a = torch.empty(T, I, dtype=x.dtype, device=x.device)
     bi = tuning.cols or _block(I)
     post = layer.post_attention_layernorm
     _gate_up[(triton.cdiv(I, bi), rows)](h1, post.weight, mlp.gate_up.weight, a, T, post.eps, K=Hd, I=I, BN=bi, BK=bk, **mm)
     out = torch.empty_like(x2)
-    _linear_residual[(triton.cdiv(Hd, bn), rows)](a, mlp.down_proj.weight, h1, out, T, K=I, N=Hd, BN=bn, BK=tuning.bk(I, size), **mm)
+    _linear[(triton.cdiv(Hd, bn), rows)](a, mlp.down_proj.weight, h1, out, T, K=I, N=Hd, BN=bn, BK=tuning.bk(I, size),
+                                         RESIDUAL=True, **mm)
     return out.view(1, T, Hd)
+
+
+def _matmul_options(x: torch.Tensor, tuning: Tuning) -> dict:
+    """The matmul kernels' launch options for x's dtype (layer_forward's and the head's alike)."""
+    return dict(BM=ROWS, PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=tuning.warps,
+                **({"num_stages": tuning.stages} if tuning.stages else {}))
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, tuning: Tuning = Tuning()) -> torch.Tensor:
+    """RMSNorm of x (..., K), rows in tiles: the model's final norm in the Triton engine."""
+    K = x.shape[-1]
+    x2 = x.reshape(-1, K).contiguous()
+    out = torch.empty_like(x2)
+    _rmsnorm[(triton.cdiv(x2.shape[0], ROWS),)](x2, weight, out, x2.shape[0], eps, K=K, BK=tuning.bk(K, x.element_size()),
+                                                BM=ROWS, num_warps=tuning.warps)
+    return out.view(x.shape)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, tuning: Tuning = Tuning()) -> torch.Tensor:
+    """x (..., K) @ weight (N, K)^T in x's dtype, rows in tiles: the lm_head in the Triton engine."""
+    K, N = x.shape[-1], weight.shape[0]
+    x2 = x.reshape(-1, K).contiguous()
+    y = torch.empty(x2.shape[0], N, dtype=x.dtype, device=x.device)
+    bn = tuning.cols or _block(N)
+    _linear[(triton.cdiv(N, bn), triton.cdiv(x2.shape[0], ROWS))](x2, weight, x2, y, x2.shape[0], K=K, N=N, BN=bn,
+                                                                  BK=tuning.bk(K, x.element_size()), RESIDUAL=False,
+                                                                  **_matmul_options(x, tuning))
+    return y.view(*x.shape[:-1], N)
+
+
+class Head:
+    """The model's final norm and lm_head for short passes (Tuning.head): rows in tiles, so a token's
+    logits have the same bits in a one-token step as in a verify pass."""
+
+    def __init__(self, tuning: Tuning):
+        self.tuning = tuning
+
+    @staticmethod
+    def covers(x: torch.Tensor) -> bool:
+        """Up to MAX_T rows (a batch-1 short pass) in a float dtype."""
+        return x.numel() // x.shape[-1] <= MAX_T and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rmsnorm(x, weight, eps, self.tuning)
+
+    def logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return linear(x, weight, self.tuning)

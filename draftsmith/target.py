@@ -406,9 +406,18 @@ class Transformer(nn.Module):
             x = (layer.fast if short and hasattr(layer, "fast") else layer)(x, cos, sin, input_pos, mask)
             if i in capture:
                 aux.append(x)
-        return self.norm(x), torch.cat(aux, dim=-1) if aux else None
+        return self.final_norm(x, short), torch.cat(aux, dim=-1) if aux else None
+
+    def final_norm(self, x: torch.Tensor, short: bool = True) -> torch.Tensor:
+        head = self.__dict__.get("head_kernels")  # kernels.Head with kernels="triton"
+        if head and short and x.shape[0] == 1 and head.covers(x):
+            return head.norm(x, self.norm.weight, self.norm.eps)
+        return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.__dict__.get("head_kernels")
+        if head and head.covers(hidden):
+            return head.logits(hidden, self.lm_head.weight).float()
         return small_linear(hidden, self.lm_head.weight).float()  # (..., V)
 
     def optimize(self, compile_backend: str | None = None, scope: str = "layer", attention: str = "matmul",
@@ -423,7 +432,8 @@ class Transformer(nn.Module):
         "sdpa" runs short queries through scaled_dot_product_attention too (default "matmul": two
         matmuls and an fp32 softmax, the path decode and verify are known to agree on in bf16). kernels
         "triton": batch-1 short queries of each layer run as five Triton kernels (kernels.py) instead,
-        the compiled (or eager) layer serving the rest; `tuning` (kernels.Tuning) their tile sizes."""
+        the compiled (or eager) layer serving the rest, and (Tuning.head) the final norm and lm_head of
+        short passes too; `tuning` (kernels.Tuning) their tile sizes."""
         if scope not in ("layer", "model"):
             raise ValueError(f"scope must be 'layer' or 'model', got {scope!r}")
         if kernels not in ("torch", "triton"):
@@ -441,7 +451,8 @@ class Transformer(nn.Module):
                 del layer.fast
         if hasattr(self, "fast"):
             del self.fast
-        self.__dict__.pop("slot_mover", None)
+        for name in ("slot_mover", "head_kernels"):
+            self.__dict__.pop(name, None)
         if compile_backend:
             self._compile(compile_backend, scope)
         if kernels == "triton":
@@ -452,6 +463,8 @@ class Transformer(nn.Module):
                 layer.fast = _triton_layer(layer, getattr(layer, "fast", layer.forward), triton_kernels, tuning)
             if tuning.move_slots:
                 self.slot_mover = triton_kernels.SlotMover()
+            if tuning.head:  # the final norm and the lm_head of short batch-1 passes, rows in tiles
+                self.head_kernels = triton_kernels.Head(tuning)
         return self
 
     def _compile(self, compile_backend: str, scope: str):
