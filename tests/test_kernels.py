@@ -2,6 +2,7 @@
 Triton's interpreter, in fp32 (the interpreter's bf16 tl.dot is wrong, so bf16 is checked on CUDA)."""
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -56,6 +57,38 @@ TUNINGS = {"default": kernels.Tuning(), "unsplit": kernels.Tuning(split=0),
            "small-tiles": kernels.Tuning(bk_max=16, slots=16, warps=2, split=0),
            "cols32-stages2": kernels.Tuning(bk_max=32, slots=32, cols=32, stages=2),
            "split16": kernels.Tuning(split=16, slots=16), "split32": kernels.Tuning(split=32)}
+
+
+def nvidia_compiler() -> bool:
+    """Whether this Triton can compile for NVIDIA GPUs here (its backend and bundled ptxas), GPU or not."""
+    try:
+        from triton.backends import backends
+        return "nvidia" in backends
+    except ImportError:
+        return False
+
+
+@pytest.mark.skipif(not nvidia_compiler(), reason="this Triton has no NVIDIA backend")
+@pytest.mark.parametrize("shape,dtypes", [("smollm2", "bfloat16,float32"), ("llama8b", "bfloat16")])
+def test_the_kernels_compile_for_an_h200(shape, dtypes, tmp_path):
+    """What the interpreter cannot show: every kernel the engine launches (decode step, verify passes,
+    head, commit) builds for sm_90 within an SM's shared memory (benchmarks/compile_kernels.py, on meta
+    tensors of the model's shape, no GPU needed). A loop-carried value whose dtype changes passes the
+    interpreter and fails here."""
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = tmp_path / "compile.json"
+    run = subprocess.run([sys.executable, str(root / "benchmarks" / "compile_kernels.py"), "--shape", shape, "--dtypes", dtypes,
+                          "--out", str(out)], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["failed"] == 0 and report["launches_compiled"] >= 8
+    assert {"_qkv_rope_cache", "_attention_part", "_attention_merge", "_linear", "_gate_up", "_rmsnorm", "_move_slots"} <= {
+        r["kernel"] for r in report["results"]}
 
 
 @pytest.mark.parametrize("bad", [dict(bk_max=48), dict(slots=8), dict(warps=3), dict(cols=24), dict(stages=9), dict(pairs=24),
