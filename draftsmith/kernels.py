@@ -187,13 +187,14 @@ def _qkv_rope_cache(x_ptr, nw_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, slot_ptr, q_p
 
 
 @triton.jit
-def _attend(q, kc_ptr, vc_ptr, m_ptr, t, j, S, m_row, m_col, scale, lo, hi, base, vis, rank, laid,
+def _attend(q, kc_ptr, vc_ptr, m_ptr, t, j, S, m_row, m_col, scale, lo, hi, base, vis, rank, move,
             D: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr, WIN: tl.constexpr, PREC: tl.constexpr):
     """Online softmax of token t's query rows q (BM, D) of kv head j over its keys lo..hi-1 under the mask:
     (running max, sum of exponentials, unnormalised output). Keys before base are the cache slots of the
-    same number; with `laid`, key base + i is the i-th slot from base on that t sees (_token_rows), so a tree
-    token reduces over its ancestors in the places plain decoding gives them. Masked keys add exact
-    zeros, so a row's result does not depend on how far past its own keys hi reaches."""
+    same number; with `move`, key base + i is the i-th slot from base on that t sees (_token_rows), so a tree
+    token reduces over its ancestors in the places plain decoding gives them (without it, as for a one-token
+    step or a chain, those slots are its keys already). Masked keys add exact zeros, so a row's result
+    does not depend on how far past its own keys hi reaches."""
     rd = tl.arange(0, D)
     m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BM], dtype=tl.float32)
@@ -205,7 +206,7 @@ def _attend(q, kc_ptr, vc_ptr, m_ptr, t, j, S, m_row, m_col, scale, lo, hi, base
         inside = rs < hi
         slot = rs.to(tl.int64)
         seen = tl.load(m_ptr + t * m_row + rs * m_col, mask=inside, other=0) != 0
-        if laid:
+        if move:
             if s0 + BS > base:  # the block reaches the pass's own slots: the token's i-th seen one at key base + i
                 i = rs - base
                 nth = tl.sum(tl.where(vis[None, :] & (rank[None, :] == i[:, None]), u[None, :], 0), axis=1)
@@ -239,7 +240,8 @@ def _token_rows(q_ptr, slot_ptr, m_ptr, n_rows, m_row, m_col, H: tl.constexpr, K
     """An attention program's rows: the query heads of kv head program_id(0)'s group for token
     t = program_id(1), so they are the rows a one-token step at the token's slot has. Returns t, head,
     which rows are real, their q (BM, D), the pass's first slot (base) and one past its last (end), and
-    the layout of the slots t sees from base on (hi: one past its last key)."""
+    the layout of the slots t sees from base on: vis, rank, whether _attend must move them (move) and
+    one past its last key (hi)."""
     REP: tl.constexpr = H // KV
     t = tl.program_id(1)
     r = tl.arange(0, BM)
@@ -255,9 +257,11 @@ def _token_rows(q_ptr, slot_ptr, m_ptr, n_rows, m_row, m_col, H: tl.constexpr, K
     u = tl.arange(0, WIN)
     vis = tl.load(m_ptr + t * m_row + (base + u) * m_col, mask=base + u < end, other=0) != 0
     rank = tl.cumsum(vis.to(tl.int32), axis=0) - 1
+    n_seen = tl.sum(vis.to(tl.int32), axis=0)
     laid = end - base <= WIN
-    hi = tl.where(laid, base + tl.sum(vis.to(tl.int32), axis=0), end)
-    return t, head, ok, q, base, end, vis, rank, laid, hi
+    hi = tl.where(laid, base + n_seen, end)
+    in_place = tl.max(tl.where(vis, u, -1), axis=0) == n_seen - 1  # seen: base, base + 1, ... (causal rows)
+    return t, head, ok, q, base, end, vis, rank, laid & ~in_place, hi
 
 
 @triton.jit
@@ -265,10 +269,10 @@ def _attention(q_ptr, kc_ptr, vc_ptr, m_ptr, slot_ptr, o_ptr, n_rows, S, m_row, 
                H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr,
                TMAX: tl.constexpr, PREC: tl.constexpr):
     # program (kv head, token): its query heads over its keys
-    t, head, ok, q, base, end, vis, rank, laid, hi = _token_rows(q_ptr, slot_ptr, m_ptr, n_rows, m_row, m_col, H, KV, D, BM,
+    t, head, ok, q, base, end, vis, rank, move, hi = _token_rows(q_ptr, slot_ptr, m_ptr, n_rows, m_row, m_col, H, KV, D, BM,
                                                                  TMAX, TMAX)
     m_i, l_i, acc = _attend(q, kc_ptr, vc_ptr, m_ptr, t, tl.program_id(0), S, m_row, m_col, scale, 0, hi, base, vis, rank,
-                            laid, D, BS, BM, TMAX, PREC)
+                            move, D, BS, BM, TMAX, PREC)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     rd = tl.arange(0, D)
     tl.store(o_ptr + (t * H + head)[:, None] * D + rd[None, :], out.to(q.dtype), mask=ok[:, None])
@@ -282,13 +286,13 @@ def _attention_part(q_ptr, kc_ptr, vc_ptr, m_ptr, slot_ptr, pm_ptr, pl_ptr, pacc
     # writes the running max, sum and unnormalised output for _attention_merge. Chunks at or past the
     # pass's end write nothing (the merge reads only the chunks below it); those past the token's own
     # keys write (-inf, 0, 0), as a one-token step's merge reads them there
-    t, head, ok, q, base, end, vis, rank, laid, hi = _token_rows(q_ptr, slot_ptr, m_ptr, n_rows, m_row, m_col, H, KV, D, BM,
+    t, head, ok, q, base, end, vis, rank, move, hi = _token_rows(q_ptr, slot_ptr, m_ptr, n_rows, m_row, m_col, H, KV, D, BM,
                                                                  TMAX, TMAX)
     c = tl.program_id(2)
     lo = c * CH
     if lo < end:
         m_i, l_i, acc = _attend(q, kc_ptr, vc_ptr, m_ptr, t, tl.program_id(0), S, m_row, m_col, scale, lo,
-                                tl.minimum(lo + CH, hi), base, vis, rank, laid, D, BS, BM, TMAX, PREC)
+                                tl.minimum(lo + CH, hi), base, vis, rank, move, D, BS, BM, TMAX, PREC)
         at = c * n_rows * H + t * H + head  # partials (chunks, T, H[, D])
         tl.store(pm_ptr + at, m_i, mask=ok)
         tl.store(pl_ptr + at, l_i, mask=ok)
