@@ -15,6 +15,7 @@ the host-driven tree loop (tree_loop) too with --host-loop. Variants:
   triton_split64/256   Tuning(split=...): other chunk sizes
   triton_pairs32       Tuning(pairs=32): wider qkv programs (the 8B shape's best)
   triton_cols32/64     Tuning(cols=...) (columns a matmul program)
+  triton_torch_head    Tuning(head=False): the final norm and lm_head in torch (cuBLAS) instead of kernels.Head
 (the Triton ones are h200_run.TRITON_VARIANTS)
 
     python benchmarks/tree_cycle.py --variants compiled,triton_torch_commit,triton,triton_unsplit --out $OUT/tree-cycle.json

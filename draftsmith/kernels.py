@@ -228,10 +228,12 @@ def _attend(q, kc_ptr, vc_ptr, m_ptr, t, j, S, m_row, m_col, scale, lo, hi, base
 
 
 @triton.jit
-def _slots_end(slot_ptr, n_rows, TMAX: tl.constexpr):
-    """One past the largest cache slot the pass writes: attention reads the slots below it."""
+def _pass_slots(slot_ptr, n_rows, TMAX: tl.constexpr):
+    """The first cache slot the pass writes and one past its last: attention reads the slots below the latter."""
     rt = tl.arange(0, TMAX)
-    return tl.max(tl.load(slot_ptr + rt, mask=rt < n_rows, other=0), axis=0) + 1
+    slots = tl.load(slot_ptr + rt, mask=rt < n_rows, other=0)
+    end = tl.max(slots, axis=0) + 1
+    return tl.min(tl.where(rt < n_rows, slots, end), axis=0), end
 
 
 @triton.jit
@@ -248,10 +250,7 @@ def _token_rows(q_ptr, slot_ptr, m_ptr, n_rows, m_row, m_col, H: tl.constexpr, K
     head = tl.program_id(0) * REP + r
     ok = r < REP
     q = tl.load(q_ptr + (t * H + head)[:, None] * D + tl.arange(0, D)[None, :], mask=ok[:, None], other=0.0)
-    rt = tl.arange(0, TMAX)
-    slots = tl.load(slot_ptr + rt, mask=rt < n_rows, other=0)
-    end = tl.max(slots, axis=0) + 1
-    base = tl.min(tl.where(rt < n_rows, slots, end), axis=0)
+    base, end = _pass_slots(slot_ptr, n_rows, TMAX)
     # the slots from base on that t sees, in order, become its keys base, base + 1, ... (a tree token's
     # ancestors, as plain decoding leaves them); a pass spread wider than WIN slots keeps the cache's order
     u = tl.arange(0, WIN)
@@ -308,7 +307,8 @@ def _attention_merge(pm_ptr, pl_ptr, pacc_ptr, slot_ptr, o_ptr, n_rows, H: tl.co
     # one-token step as in a verify pass at the same slot.
     row = tl.program_id(0)
     c = tl.arange(0, NCP)
-    real = c < tl.cdiv(_slots_end(slot_ptr, n_rows, TMAX), CH)
+    _, end = _pass_slots(slot_ptr, n_rows, TMAX)
+    real = c < tl.cdiv(end, CH)
     at = c * n_rows * H + row
     m = tl.load(pm_ptr + at, mask=real, other=float("-inf"))
     l = tl.load(pl_ptr + at, mask=real, other=0.0)
@@ -430,9 +430,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     A program takes one token's query heads of one kv head (padded to a tile), as a one-token step does."""
     T, h, D = q.shape
     kv, S = k.shape[1], k.shape[2]
-    prec = "ieee" if q.dtype == torch.float32 else "tf32"
     grid, bs = (kv, T), tuning.slots_for(q.element_size())
-    common = dict(H=h, KV=kv, D=D, BM=max(ROWS, triton.next_power_of_2(h // kv)), TMAX=MAX_T, PREC=prec,
+    common = dict(H=h, KV=kv, D=D, BM=max(ROWS, triton.next_power_of_2(h // kv)), TMAX=MAX_T, PREC=_precision(q),
                   num_warps=tuning.warps)
     if not tuning.split:
         _attention[grid](q, k, v, mask, input_pos, out, T, S, mask.stride(0), mask.stride(1), D**-0.5, BS=bs, **common)
@@ -482,10 +481,14 @@ def layer_forward(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     return out.view(1, T, Hd)
 
 
+def _precision(x: torch.Tensor) -> str:
+    """tl.dot's input_precision: exact fp32 products for fp32 models (tf32 is ignored for 16-bit inputs)."""
+    return "ieee" if x.dtype == torch.float32 else "tf32"
+
+
 def _matmul_options(x: torch.Tensor, tuning: Tuning) -> dict:
     """The matmul kernels' launch options for x's dtype (layer_forward's and the head's alike)."""
-    return dict(BM=ROWS, PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=tuning.warps,
-                **({"num_stages": tuning.stages} if tuning.stages else {}))
+    return dict(BM=ROWS, PREC=_precision(x), num_warps=tuning.warps, **({"num_stages": tuning.stages} if tuning.stages else {}))
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, tuning: Tuning = Tuning()) -> torch.Tensor:

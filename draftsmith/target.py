@@ -406,11 +406,11 @@ class Transformer(nn.Module):
             x = (layer.fast if short and hasattr(layer, "fast") else layer)(x, cos, sin, input_pos, mask)
             if i in capture:
                 aux.append(x)
-        return self.final_norm(x, short), torch.cat(aux, dim=-1) if aux else None
+        return self.final_norm(x), torch.cat(aux, dim=-1) if aux else None
 
-    def final_norm(self, x: torch.Tensor, short: bool = True) -> torch.Tensor:
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         head = self.__dict__.get("head_kernels")  # kernels.Head with kernels="triton"
-        if head and short and x.shape[0] == 1 and head.covers(x):
+        if head and head.covers(x):
             return head.norm(x, self.norm.weight, self.norm.eps)
         return self.norm(x)
 
