@@ -3,12 +3,15 @@
 The engine's own launch code (Transformer.forward's layers, kernels.attention, the Head and the
 SlotMover commit) runs on meta tensors of a model's shape with every kernel launch recorded instead
 of run; each distinct launch is then compiled for the target with triton.compile (Triton's own ptxas,
-no driver needed), and its shared memory is checked against the target's per-block limit. A kernel
+no driver needed), its arguments specialized as the JIT specializes them on a GPU (alignment and
+multiples of 16, which decide whether loops pipeline through shared memory), and its shared memory is
+checked against the target's per-block limit. A kernel
 that does not compile for the GPU, or asks for more shared memory than an SM has (as the fp32 tiles
 once did on the H200), fails here instead of in a device session. The interpreter the CPU tests use
 checks what kernels compute; this checks that they build.
 
     python benchmarks/compile_kernels.py --shape smollm2 --dtypes bfloat16,float32 --out compile.json
+    python benchmarks/compile_kernels.py --shape llama8b --dtypes bfloat16 --tuning 'bk_max=1024'   # too big: exit 1
 
 Exit status 1 when any launch fails to compile or exceeds the limit; the JSON lists every launch.
 """
@@ -64,20 +67,40 @@ def arg_type(value) -> str:
     raise TypeError(f"no Triton type for {type(value).__name__}")
 
 
+def specialization(value) -> tuple[str, list]:
+    """(type, attributes) as Triton's JIT specializes a launch argument on a GPU: pointers 16-byte aligned
+    and integers divisible by 16 get tt.divisibility (what lets loads vectorise and loops pipeline through
+    shared memory, so what sets a kernel's shared memory), an integer 1 becomes a constant. A meta tensor's
+    address is 0: aligned, as the caching allocator's are."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    if isinstance(value, float) or isinstance(value, bool):
+        return arg_type(value), []
+    kind, spec = native_specialize_impl(CUDABackend, value, False, True, True)[:2]
+    if kind == "constexpr":
+        return kind, []
+    return arg_type(value), CUDABackend.parse_attr(spec) if spec else []
+
+
 def source(fn, args: tuple, kw: dict):
-    """(ASTSource, options, key) of one recorded launch."""
+    """(ASTSource, options, key) of one recorded launch, specialized as the JIT would on a GPU."""
     values = dict(zip(fn.arg_names, args))
     values.update({k: v for k, v in kw.items() if k in fn.arg_names})
     options = {k: v for k, v in kw.items() if k not in fn.arg_names}
-    signature, constexprs = {}, {}
-    for p in fn.params:
+    signature, constexprs, attrs = {}, {}, {}
+    for i, p in enumerate(fn.params):
         v = values[p.name]
         if p.is_constexpr:
             signature[p.name], constexprs[p.name] = "constexpr", v
-        else:
-            signature[p.name] = arg_type(v)
-    key = (fn.__name__, tuple(signature.items()), tuple(sorted(constexprs.items())), tuple(sorted(options.items())))
-    return ASTSource(fn=fn, signature=signature, constexprs=constexprs), options, key
+            continue
+        signature[p.name], attrs[(i,)] = specialization(v)
+        if signature[p.name] == "constexpr":
+            constexprs[p.name] = v
+    attrs = {k: v for k, v in attrs.items() if v}
+    key = (fn.__name__, tuple(signature.items()), tuple(sorted(constexprs.items())), tuple(sorted(options.items())),
+           tuple(sorted(attrs)))
+    return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs), options, key
 
 
 def record(args, dtype: torch.dtype, tuning: kernels.Tuning, rows: tuple[int, ...], slots: int) -> list:
@@ -114,20 +137,24 @@ def main():
     ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--variants", default="triton", help=f"kernels.Tuning variants (h200_run.TRITON_VARIANTS: {','.join(TRITON_VARIANTS)})"
                     " or 'all'")
+    ap.add_argument("--tuning", help="instead of --variants, one kernels.Tuning as fields, e.g. 'bk_max=1024;split=0'")
     ap.add_argument("--rows", default="1,6,49", help="pass sizes to record (a decode step, a chain verify, a tree)")
     ap.add_argument("--slots", type=int, default=768, help="KV cache slots")
     ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability x10 (90: H100/H200)")
     ap.add_argument("--out")
     a = ap.parse_args()
     variants = list(TRITON_VARIANTS) if a.variants == "all" else a.variants.split(",")
+    tunings = {v: kernels.Tuning(**TRITON_VARIANTS[v]) for v in variants}
+    if a.tuning:
+        fields = dict(f.split("=") for f in a.tuning.split(";"))
+        tunings = {a.tuning: kernels.Tuning(**{k: type(getattr(kernels.Tuning(), k))(int(v)) for k, v in fields.items()})}
     target = GPUTarget("cuda", a.arch, 32)
     limit = SHARED_LIMIT.get(a.arch, 101376)
     seen, results, failed = set(), [], []
     t0 = time.perf_counter()
     for dtype_name in a.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
-        for variant in variants:
-            tuning = kernels.Tuning(**TRITON_VARIANTS[variant])
+        for variant, tuning in tunings.items():
             for name, fn, args, kw in record(SHAPES[a.shape], dtype, tuning, tuple(map(int, a.rows.split(","))), a.slots):
                 src, options, key = source(fn, args, kw)
                 if key in seen:

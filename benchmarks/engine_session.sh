@@ -12,8 +12,8 @@
 # usage: bash benchmarks/engine_session.sh OUT [VARIANTS] [SWEEP]
 set -uo pipefail
 out=${1:?usage: engine_session.sh OUT [VARIANTS] [SWEEP]}
-variants=${2:-compiled,triton_torch_commit,triton,triton_unsplit,triton_split64,triton_pairs32}
-sweep=${3:-"bk_max=256;pairs=16,32;split=128,256;stages=0,3;cols=0,16"}  # 16 tunings
+variants=${2:-compiled,triton,triton_torch_head,triton_unsplit,triton_merge_last,triton_ksplit2}
+sweep=${3:-"bk_max=256;pairs=32;split=128,256;cols=0,16;ksplit=1,2,4;merge_last=0,1"}  # 24 tunings
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
 step() {  # step NAME SECONDS CMD...: runs CMD, records its exit status and wall time in OUT/steps.txt
@@ -25,7 +25,7 @@ step() {  # step NAME SECONDS CMD...: runs CMD, records its exit status and wall
   echo "== $name: rc $? after $(( $(date +%s) - t0 )) s" | tee -a "$out/steps.txt"
 }
 echo "commit ${DRAFTSMITH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)} $(date -u +%FT%TZ)" >"$out/steps.txt"
-step pytest-gpu 300 bash -c "set -o pipefail; python3 -m pytest -q -m gpu tests/test_kernels.py tests/test_decode.py -rs 2>&1 | tee '$out/pytest-gpu.txt'"
+step pytest-gpu 420 bash -c "set -o pipefail; python3 -m pytest -q -m gpu tests/test_kernels.py tests/test_decode.py -rs 2>&1 | tee '$out/pytest-gpu.txt'"
 step tree-cycle 720 python3 benchmarks/tree_cycle.py --variants "$variants" --out "$out/tree-cycle.json"
 step engine-8b 600 python3 benchmarks/h200_run.py engine --sections llama8b_shape --variants compiled,triton,triton_sweep \
   --sweep "$sweep" --rows 1,8,49 --out "$out"

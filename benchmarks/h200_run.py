@@ -349,7 +349,9 @@ def kernel_profile(run, top_n: int = 40) -> dict:
 # its kernels read TRITON_INTERPRET when defined, which tests set before importing it)
 TRITON_VARIANTS = {"triton": {}, "triton_torch_commit": {"move_slots": False}, "triton_unsplit": {"split": 0},
                    "triton_split64": {"split": 64}, "triton_split256": {"split": 256}, "triton_pairs32": {"pairs": 32},
-                   "triton_cols32": {"cols": 32}, "triton_cols64": {"cols": 64}, "triton_torch_head": {"head": False}}
+                   "triton_cols32": {"cols": 32}, "triton_cols64": {"cols": 64}, "triton_torch_head": {"head": False},
+                   "triton_ksplit2": {"ksplit": 2}, "triton_ksplit4": {"ksplit": 4}, "triton_merge_last": {"merge_last": True},
+                   "triton_cols16_ksplit2": {"cols": 16, "ksplit": 2}}
 ENGINE_VARIANTS = ("graphs", "compiled", "compiled_model", "compiled_model_cdt", "compiled_sdpa", "compiled_autotune", "triton",
                    "triton_sweep")  # engine's default --variants
 
@@ -388,7 +390,8 @@ def parse_sweep(text: str) -> dict[str, tuple[int, ...]]:
         name, _, values = part.partition("=")
         if name not in Tuning.__dataclass_fields__ or not values:
             raise SystemExit(f"--sweep: {part!r} is not field=v1,v2 with a kernels.Tuning field ({', '.join(Tuning.__dataclass_fields__)})")
-        grid[name] = tuple(int(v) for v in values.split(","))
+        kind = type(getattr(Tuning(), name))  # int, or bool for switches given as 0/1
+        grid[name] = tuple(kind(int(v)) for v in values.split(","))
     return grid
 
 

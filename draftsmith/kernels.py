@@ -5,10 +5,13 @@ At batch 1 SmolLM2-135M's compiled decode step is ~560 kernels of ~2 us each on 
 
   1. rmsnorm -> qkv matmul -> rotary on q and k -> k and v written into their cache slots
   2. attention of every query row over the cache slots up to the last one written, under the mask
-     (or, with Tuning.split, two: chunks of the cache in parallel, then their partial softmaxes merged)
+     (or, with Tuning.split, two: chunks of the cache in parallel, then their partial softmaxes merged;
+     with Tuning.merge_last the last chunk program of a token merges them, one kernel again)
   3. o_proj + residual
   4. rmsnorm -> gate/up matmul -> silu(gate) * up
   5. down_proj + residual
+(1, 3 and 5 optionally split over K, Tuning.ksplit: the last part of a tile to finish adds the parts up.
+A program knows it is the last by an atomic counter, _arrive_last, so neither needs another launch.)
 
 A token gets the same arithmetic in a one-token step as in a 48-node tree verify: the decoder layers
 give it the same bits, in bf16 as in fp32 (so in fp32 speculative output equals plain output, as
@@ -68,6 +71,12 @@ class Tuning:
     # the final RMSNorm and the lm_head of short batch-1 passes as kernels too (rows in tiles, so a token's
     # logits have the same bits in any pass); False: torch's, whose cuBLAS kernels are chosen by row count
     head: bool = True
+    # the qkv, o_proj and down_proj matmuls split over K into up to this many parts a tile (more programs
+    # and bytes in flight: the 8B shape's o_proj and down_proj have 128 column blocks, qkv 96-192 programs);
+    # the last part to finish sums the parts in order, so no extra launch
+    ksplit: int = 1
+    # with split: the last chunk program of a token merges the chunks itself instead of a sixth kernel
+    merge_last: bool = False
 
     def __post_init__(self):
         for name in ("bk_max", "slots"):
@@ -82,6 +91,8 @@ class Tuning:
             raise ValueError(f"Tuning.split must be 0 (no split) or a power of 2 >= 16, got {self.split}")
         if self.pairs < 16 or self.pairs & (self.pairs - 1):
             raise ValueError(f"Tuning.pairs must be a power of 2 >= 16, got {self.pairs}")
+        if not 1 <= self.ksplit <= 16:
+            raise ValueError(f"Tuning.ksplit must be 1 (no split) to 16, got {self.ksplit}")
         if not 0 <= self.stages <= 8:
             raise ValueError(f"Tuning.stages must be 0 (Triton's default) to 8, got {self.stages}")
 
@@ -120,14 +131,15 @@ def _normed(x_ptr, nw_ptr, rm, rk, n_rows, rstd, K: tl.constexpr):
 
 
 @triton.jit
-def _normed_dots(x_ptr, nw_ptr, w_ptr, n1, n2, n_ok, rm, n_rows, eps, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 BM: tl.constexpr, PREC: tl.constexpr):
-    """rmsnorm(x) @ w[n1]^T and @ w[n2]^T for rows rm (BN weight rows each, n_ok masking them), RMSNorm
-    rounded as RMSNorm.forward rounds it after a first pass over x for rstd."""
+def _normed_dots(x_ptr, nw_ptr, w_ptr, n1, n2, n_ok, rm, n_rows, eps, lo, K: tl.constexpr, KP: tl.constexpr,
+                 BN: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr):
+    """rmsnorm(x) @ w[n1]^T and @ w[n2]^T for rows rm (BN weight rows each, n_ok masking them) over K's
+    lo .. lo + KP (all of it: 0, K), RMSNorm rounded as RMSNorm.forward rounds it after a first pass over
+    the whole of x for rstd."""
     acc1 = tl.zeros([BM, BN], dtype=tl.float32)
     acc2 = tl.zeros([BM, BN], dtype=tl.float32)
     rstd = _rstd(x_ptr, rm, n_rows, eps, K, BK, BM)
-    for k0 in range(0, K, BK):
+    for k0 in range(lo, lo + KP, BK):
         rk = k0 + tl.arange(0, BK)
         inside = n_ok[:, None] & (rk[None, :] < K)
         w1 = tl.trans(tl.load(w_ptr + n1[:, None] * K + rk[None, :], mask=inside, other=0.0))
@@ -173,17 +185,39 @@ def _qkv_out(acc1, acc2, rm, head, d1, b_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr,
 
 
 @triton.jit
-def _qkv_rope_cache(x_ptr, nw_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, n_rows, S, eps,
-                    K: tl.constexpr, D: tl.constexpr, H: tl.constexpr, KV: tl.constexpr, BP: tl.constexpr,
-                    BK: tl.constexpr, BM: tl.constexpr, HAS_BIAS: tl.constexpr, PREC: tl.constexpr):
-    # program (head, pair block, row tile); heads are q heads, then k heads, then v heads (qkv's rows).
-    # A program computes BP rotary pairs (d, d + D/2) of one head, so it can rotate them itself.
-    head = tl.program_id(0)
+def _qkv_rope_cache(x_ptr, nw_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, p_ptr, count_ptr,
+                    n_rows, S, eps, K: tl.constexpr, D: tl.constexpr, H: tl.constexpr, KV: tl.constexpr,
+                    BP: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, HAS_BIAS: tl.constexpr, PREC: tl.constexpr,
+                    KS: tl.constexpr, KP: tl.constexpr):
+    # program (head x K part, pair block, row tile); heads are q heads, then k heads, then v heads (qkv's
+    # rows). A program computes BP rotary pairs (d, d + D/2) of one head, so it can rotate them itself.
+    # With KS parts (Tuning.ksplit) each sums KP of K into fp32 partials p (KS, n_rows, qkv's columns); the
+    # last part of (head, pairs, rows) to finish adds them up in order and finishes as an unsplit one does
+    head = tl.program_id(0) // KS
     d1 = tl.program_id(1) * BP + tl.arange(0, BP)  # first halves; partners at d1 + D/2
     rm = tl.program_id(2) * BM + tl.arange(0, BM)
     n1 = head * D + d1
-    acc1, acc2 = _normed_dots(x_ptr, nw_ptr, w_ptr, n1, n1 + D // 2, d1 < D // 2, rm, n_rows, eps, K, BP, BK, BM, PREC)
-    _qkv_out(acc1, acc2, rm, head, d1, b_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, n_rows, S, D, H, KV, HAS_BIAS)
+    part = tl.program_id(0) % KS
+    lo = part * KP if KS > 1 else 0
+    acc1, acc2 = _normed_dots(x_ptr, nw_ptr, w_ptr, n1, n1 + D // 2, d1 < D // 2, rm, n_rows, eps, lo, K, KP, BP, BK, BM, PREC)
+    if KS > 1:
+        NQ: tl.constexpr = (H + 2 * KV) * D  # qkv's columns
+        at = rm[:, None] * NQ + n1[None, :]
+        ok = (rm < n_rows)[:, None]
+        tl.store(p_ptr + part * n_rows * NQ + at, acc1, mask=ok)
+        tl.store(p_ptr + part * n_rows * NQ + at + D // 2, acc2, mask=ok)
+        tile = (tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)) * (H + 2 * KV) + head
+        if _arrive_last(count_ptr, tile, KS):
+            sum1 = tl.zeros([BM, BP], dtype=tl.float32)
+            sum2 = tl.zeros([BM, BP], dtype=tl.float32)
+            for s in tl.static_range(KS):
+                sum1 += tl.load(p_ptr + s * n_rows * NQ + at, mask=ok, other=0.0, cache_modifier=".cg")
+                sum2 += tl.load(p_ptr + s * n_rows * NQ + at + D // 2, mask=ok, other=0.0, cache_modifier=".cg")
+            _qkv_out(sum1, sum2, rm, head, d1, b_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, n_rows, S, D, H, KV,
+                     HAS_BIAS)
+    else:
+        _qkv_out(acc1, acc2, rm, head, d1, b_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, n_rows, S, D, H, KV,
+                 HAS_BIAS)
 
 
 @triton.jit
@@ -237,6 +271,20 @@ def _pass_slots(slot_ptr, n_rows, TMAX: tl.constexpr):
 
 
 @triton.jit
+def _arrive_last(count_ptr, at, arrivals):
+    """Whether this program is the last of `arrivals` to reach counter `at`. Every program's stores before
+    the call are visible to the last one (a barrier, then one thread's release-acquire atomic, as a
+    CUTLASS semaphore), which also sets the counter back to 0 for the next launch. Read what the others
+    stored with cache_modifier=".cg" (from L2, not this SM's L1)."""
+    tl.debug_barrier()
+    ticket = tl.atomic_add(count_ptr + at, 1, sem="acq_rel", scope="gpu")
+    last = ticket == arrivals - 1
+    if last:
+        tl.atomic_xchg(count_ptr + at, 0, sem="relaxed", scope="gpu")
+    return last
+
+
+@triton.jit
 def _token_rows(q_ptr, slot_ptr, m_ptr, n_rows, m_row, m_col, H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr,
                 BM: tl.constexpr, TMAX: tl.constexpr, WIN: tl.constexpr):
     """An attention program's rows: the query heads of kv head program_id(0)'s group for token
@@ -278,24 +326,55 @@ def _attention(q_ptr, kc_ptr, vc_ptr, m_ptr, slot_ptr, o_ptr, n_rows, S, m_row, 
 
 
 @triton.jit
-def _attention_part(q_ptr, kc_ptr, vc_ptr, m_ptr, slot_ptr, pm_ptr, pl_ptr, pacc_ptr, n_rows, S, m_row, m_col, scale,
-                    H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr,
-                    TMAX: tl.constexpr, CH: tl.constexpr, PREC: tl.constexpr):
+def _attention_part(q_ptr, kc_ptr, vc_ptr, m_ptr, slot_ptr, pm_ptr, pl_ptr, pacc_ptr, o_ptr, count_ptr, n_rows, S, m_row,
+                    m_col, scale, H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr,
+                    TMAX: tl.constexpr, CH: tl.constexpr, PREC: tl.constexpr, MERGE: tl.constexpr, NCP: tl.constexpr):
     # split-KV (flash-decoding): program (kv head, token, chunk c of CH keys) attends over its chunk and
     # writes the running max, sum and unnormalised output for _attention_merge. Chunks at or past the
     # pass's end write nothing (the merge reads only the chunks below it); those past the token's own
-    # keys write (-inf, 0, 0), as a one-token step's merge reads them there
+    # keys write (-inf, 0, 0), as a one-token step's merge reads them there. With MERGE the last chunk
+    # program of (kv head, token) to finish merges them (Tuning.merge_last)
     t, head, ok, q, base, end, vis, rank, move, hi = _token_rows(q_ptr, slot_ptr, m_ptr, n_rows, m_row, m_col, H, KV, D, BM,
                                                                  TMAX, TMAX)
     c = tl.program_id(2)
     lo = c * CH
+    at = t * H + head
     if lo < end:
         m_i, l_i, acc = _attend(q, kc_ptr, vc_ptr, m_ptr, t, tl.program_id(0), S, m_row, m_col, scale, lo,
                                 tl.minimum(lo + CH, hi), base, vis, rank, move, D, BS, BM, TMAX, PREC)
-        at = c * n_rows * H + t * H + head  # partials (chunks, T, H[, D])
-        tl.store(pm_ptr + at, m_i, mask=ok)
-        tl.store(pl_ptr + at, l_i, mask=ok)
-        tl.store(pacc_ptr + at[:, None] * D + tl.arange(0, D)[None, :], acc, mask=ok[:, None])
+        part = c * n_rows * H + at  # partials (chunks, T, H[, D])
+        tl.store(pm_ptr + part, m_i, mask=ok)
+        tl.store(pl_ptr + part, l_i, mask=ok)
+        tl.store(pacc_ptr + part[:, None] * D + tl.arange(0, D)[None, :], acc, mask=ok[:, None])
+    if MERGE:
+        if _arrive_last(count_ptr, tl.program_id(0) * TMAX + t, tl.num_programs(2)):
+            out = _merged(pm_ptr, pl_ptr, pacc_ptr, at, ok, n_rows * H, tl.cdiv(end, CH), D, NCP)
+            tl.store(o_ptr + at[:, None] * D + tl.arange(0, D)[None, :], out.to(q.dtype), mask=ok[:, None])
+
+
+@triton.jit
+def _merged(pm_ptr, pl_ptr, pacc_ptr, at, ok, stride, n_chunks, D: tl.constexpr, NCP: tl.constexpr):
+    """Rows at (BM,) of the chunks' partial softmaxes (chunk c's at c * stride + at) merged, chunk by chunk
+    in order over a fixed NCP: chunks at or past n_chunks, like those a row cannot see, add exact zeros
+    at the same places, so a row's bits do not depend on how far its pass reaches. Reads from L2 (.cg):
+    the partials come from other programs of the same launch."""
+    rd = tl.arange(0, D)
+    chunks = tl.where(ok, n_chunks, 0)  # a row's chunks, as a (BM,) vector
+    top = tl.full(at.shape, float("-inf"), dtype=tl.float32)
+    for c in tl.static_range(NCP):
+        real = chunks > c
+        top = tl.maximum(top, tl.load(pm_ptr + c * stride + at, mask=real, other=float("-inf"), cache_modifier=".cg"))
+    top = tl.where(top == float("-inf"), 0.0, top)
+    den = tl.zeros(at.shape, dtype=tl.float32)
+    out = tl.zeros([at.shape[0], D], dtype=tl.float32)
+    for c in tl.static_range(NCP):
+        real = chunks > c
+        w = tl.exp(tl.load(pm_ptr + c * stride + at, mask=real, other=float("-inf"), cache_modifier=".cg") - top)
+        den += w * tl.load(pl_ptr + c * stride + at, mask=real, other=0.0, cache_modifier=".cg")
+        acc = tl.load(pacc_ptr + (c * stride + at)[:, None] * D + rd[None, :], mask=real[:, None], other=0.0,
+                      cache_modifier=".cg")
+        out += w[:, None] * acc
+    return out / tl.where(den == 0.0, 1.0, den)[:, None]
 
 
 @triton.jit
@@ -322,18 +401,34 @@ def _attention_merge(pm_ptr, pl_ptr, pacc_ptr, slot_ptr, o_ptr, n_rows, H: tl.co
 
 
 @triton.jit
-def _linear(a_ptr, w_ptr, r_ptr, y_ptr, n_rows, K: tl.constexpr, N: tl.constexpr, BN: tl.constexpr,
-            BK: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr, RESIDUAL: tl.constexpr):
-    # y = r + a @ w^T (or a @ w^T), program (column block, row tile)
+def _linear(a_ptr, w_ptr, r_ptr, y_ptr, p_ptr, count_ptr, n_rows, K: tl.constexpr, N: tl.constexpr, BN: tl.constexpr,
+            BK: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr, RESIDUAL: tl.constexpr, KS: tl.constexpr,
+            KP: tl.constexpr):
+    # y = r + a @ w^T (or a @ w^T), program (column block, row tile[, K part]). With KS parts each sums
+    # KP of K into fp32 partials p (KS, n_rows, N); the last part of a tile to finish adds them up in order
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     rm = tl.program_id(1) * BM + tl.arange(0, BM)
+    inside = (rm[:, None] < n_rows) & (rn[None, :] < N)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(0, K, BK):
+    lo = tl.program_id(2) * KP if KS > 1 else 0
+    for k0 in range(lo, lo + KP, BK):
         rk = k0 + tl.arange(0, BK)
         w = tl.trans(tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0))
         acc += tl.dot(_rows(a_ptr, rm, rk, n_rows, K), w, input_precision=PREC)
     at = rm[:, None] * N + rn[None, :]
-    inside = (rm[:, None] < n_rows) & (rn[None, :] < N)
+    if KS > 1:
+        tl.store(p_ptr + tl.program_id(2) * n_rows * N + at, acc, mask=inside)
+        if _arrive_last(count_ptr, tl.program_id(1) * tl.num_programs(0) + tl.program_id(0), KS):
+            acc = tl.zeros([BM, BN], dtype=tl.float32)
+            for part in tl.static_range(KS):
+                acc += tl.load(p_ptr + part * n_rows * N + at, mask=inside, other=0.0, cache_modifier=".cg")
+            _linear_out(acc, at, inside, r_ptr, y_ptr, RESIDUAL)
+    else:
+        _linear_out(acc, at, inside, r_ptr, y_ptr, RESIDUAL)
+
+
+@triton.jit
+def _linear_out(acc, at, inside, r_ptr, y_ptr, RESIDUAL: tl.constexpr):
     if RESIDUAL:
         r = tl.load(r_ptr + at, mask=inside, other=0.0)
         tl.store(y_ptr + at, r + acc.to(r.dtype), mask=inside)
@@ -359,7 +454,7 @@ def _gate_up(x_ptr, nw_ptr, w_ptr, y_ptr, n_rows, eps, K: tl.constexpr, I: tl.co
     # Program (column block, row tile), as _linear.
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     rm = tl.program_id(1) * BM + tl.arange(0, BM)
-    acc_g, acc_u = _normed_dots(x_ptr, nw_ptr, w_ptr, rn, rn + I, rn < I, rm, n_rows, eps, K, BN, BK, BM, PREC)
+    acc_g, acc_u = _normed_dots(x_ptr, nw_ptr, w_ptr, rn, rn + I, rn < I, rm, n_rows, eps, 0, K, K, BN, BK, BM, PREC)
     dt = y_ptr.dtype.element_ty
     g = acc_g.to(dt).to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(dt)
@@ -439,10 +534,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     chunks = triton.cdiv(S, tuning.split)
     pm, pl = (torch.empty(chunks, T, h, dtype=torch.float32, device=q.device) for _ in range(2))
     pacc = torch.empty(chunks, T, h, D, dtype=torch.float32, device=q.device)
-    _attention_part[(*grid, chunks)](q, k, v, mask, input_pos, pm, pl, pacc, T, S, mask.stride(0), mask.stride(1), D**-0.5,
-                                      BS=min(bs, tuning.split), CH=tuning.split, **common)
-    _attention_merge[(T * h,)](pm, pl, pacc, input_pos, out, T, H=h, D=D, CH=tuning.split,
-                               NCP=triton.next_power_of_2(chunks), TMAX=MAX_T)
+    ncp = triton.next_power_of_2(chunks)
+    count = _counters(q, kv * MAX_T) if tuning.merge_last else out
+    _attention_part[(*grid, chunks)](q, k, v, mask, input_pos, pm, pl, pacc, out, count, T, S, mask.stride(0), mask.stride(1),
+                                      D**-0.5, BS=min(bs, tuning.split), CH=tuning.split, MERGE=tuning.merge_last, NCP=ncp,
+                                      **common)
+    if not tuning.merge_last:
+        _attention_merge[(T * h,)](pm, pl, pacc, input_pos, out, T, H=h, D=D, CH=tuning.split, NCP=ncp, TMAX=MAX_T)
 
 
 def layer_forward(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: torch.Tensor,
@@ -462,23 +560,22 @@ def layer_forward(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     bias = attn.qkv.bias
     q = torch.empty(T, h, D, dtype=x.dtype, device=x.device)
     bp = min(tuning.pairs, D // 2)
-    _qkv_rope_cache[(h + 2 * kv, D // 2 // bp, rows)](
+    ks, kp = _k_parts(Hd, bk, tuning.ksplit)
+    grid = (ks * (h + 2 * kv), D // 2 // bp, rows)
+    parts = torch.empty(ks, T, (h + 2 * kv) * D, dtype=torch.float32, device=x.device) if ks > 1 else q
+    count = _counters(x, grid[0] * grid[1] * grid[2] // ks) if ks > 1 else q
+    _qkv_rope_cache[grid](
         x2, layer.input_layernorm.weight, attn.qkv.weight, bias if bias is not None else x2, cos, sin, input_pos, q,
-        cache.k, cache.v, T, S, layer.input_layernorm.eps, K=Hd, D=D, H=h, KV=kv, BP=bp, BK=bk, HAS_BIAS=bias is not None, **mm)
+        cache.k, cache.v, parts, count, T, S, layer.input_layernorm.eps, K=Hd, D=D, H=h, KV=kv, BP=bp, BK=bk,
+        HAS_BIAS=bias is not None, KS=ks, KP=kp, **mm)
     o = torch.empty(T, h * D, dtype=x.dtype, device=x.device)
     attention(q, cache.k, cache.v, mask[0, 0], input_pos, o, tuning)
-    h1 = torch.empty_like(x2)
-    bn = tuning.cols or _block(Hd)
-    _linear[(triton.cdiv(Hd, bn), rows)](o, attn.o_proj.weight, x2, h1, T, K=h * D, N=Hd, BN=bn, BK=tuning.bk(h * D, size),
-                                         RESIDUAL=True, **mm)
+    h1 = _matmul(o, attn.o_proj.weight, x2, tuning, tuning.ksplit)
     a = torch.empty(T, I, dtype=x.dtype, device=x.device)
     bi = tuning.cols or _block(I)
     post = layer.post_attention_layernorm
     _gate_up[(triton.cdiv(I, bi), rows)](h1, post.weight, mlp.gate_up.weight, a, T, post.eps, K=Hd, I=I, BN=bi, BK=bk, **mm)
-    out = torch.empty_like(x2)
-    _linear[(triton.cdiv(Hd, bn), rows)](a, mlp.down_proj.weight, h1, out, T, K=I, N=Hd, BN=bn, BK=tuning.bk(I, size),
-                                         RESIDUAL=True, **mm)
-    return out.view(1, T, Hd)
+    return _matmul(a, mlp.down_proj.weight, h1, tuning, tuning.ksplit).view(1, T, Hd)
 
 
 def _precision(x: torch.Tensor) -> str:
@@ -504,13 +601,45 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, tuning: Tuning = 
 def linear(x: torch.Tensor, weight: torch.Tensor, tuning: Tuning = Tuning()) -> torch.Tensor:
     """x (..., K) @ weight (N, K)^T in x's dtype, rows in tiles: the lm_head in the Triton engine."""
     K, N = x.shape[-1], weight.shape[0]
-    x2 = x.reshape(-1, K).contiguous()
-    y = torch.empty(x2.shape[0], N, dtype=x.dtype, device=x.device)
-    bn = tuning.cols or _block(N)
-    _linear[(triton.cdiv(N, bn), triton.cdiv(x2.shape[0], ROWS))](x2, weight, x2, y, x2.shape[0], K=K, N=N, BN=bn,
-                                                                  BK=tuning.bk(K, x.element_size()), RESIDUAL=False,
-                                                                  **_matmul_options(x, tuning))
-    return y.view(*x.shape[:-1], N)
+    return _matmul(x.reshape(-1, K).contiguous(), weight, None, tuning).view(*x.shape[:-1], N)
+
+
+def _matmul(a: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None, tuning: Tuning, ksplit: int = 1):
+    """(residual +) a (T, K) @ weight (N, K)^T, rows in tiles, K in up to ksplit parts of whole BK tiles."""
+    (T, K), N = a.shape, weight.shape[0]
+    bn, bk = tuning.cols or _block(N), tuning.bk(K, a.element_size())
+    ks, kp = _k_parts(K, bk, ksplit)
+    grid = (triton.cdiv(N, bn), triton.cdiv(T, ROWS), ks)
+    y = torch.empty(T, N, dtype=a.dtype, device=a.device)
+    parts = torch.empty(ks, T, N, dtype=torch.float32, device=a.device) if ks > 1 else y
+    count = _counters(a, grid[0] * grid[1]) if ks > 1 else y
+    _linear[grid](a, weight, a if residual is None else residual, y, parts, count, T, K=K, N=N,
+                  BN=bn, BK=bk, RESIDUAL=residual is not None, KS=ks, KP=kp, **_matmul_options(a, tuning))
+    return y
+
+
+def _k_parts(K: int, bk: int, ksplit: int) -> tuple[int, int]:
+    """(parts, K a part) for K in up to ksplit parts of whole bk tiles: (1, K) unsplit."""
+    tiles = triton.cdiv(K, bk)
+    kp = triton.cdiv(tiles, min(ksplit, tiles)) * bk
+    ks = triton.cdiv(K, kp)
+    return (ks, kp) if ks > 1 else (1, K)
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(like: torch.Tensor, n: int) -> torch.Tensor:
+    """The arrival counters of like's device (int32 zeros that every kernel using them leaves at zero),
+    made once, outside CUDA-graph capture (Graphs warms a step up first)."""
+    c = _COUNTERS.get(like.device)
+    if c is None:
+        if like.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("kernels: arrival counters first needed inside CUDA-graph capture; run the pass once before capturing")
+        c = _COUNTERS[like.device] = torch.zeros(1 << 16, dtype=torch.int32, device=like.device)
+    if n > c.numel():
+        raise ValueError(f"kernels: {n} arrival counters needed, {c.numel()} made; raise Tuning.cols")
+    return c
 
 
 class Head:

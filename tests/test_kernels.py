@@ -56,7 +56,8 @@ def random_cache(layer, seed: int) -> torch.Generator:
 TUNINGS = {"default": kernels.Tuning(), "unsplit": kernels.Tuning(split=0),
            "small-tiles": kernels.Tuning(bk_max=16, slots=16, warps=2, split=0),
            "cols32-stages2": kernels.Tuning(bk_max=32, slots=32, cols=32, stages=2),
-           "split16": kernels.Tuning(split=16, slots=16), "split32": kernels.Tuning(split=32)}
+           "split16": kernels.Tuning(split=16, slots=16), "split32": kernels.Tuning(split=32),
+           "ksplit3-merge-last": kernels.Tuning(bk_max=16, ksplit=3, split=16, slots=16, merge_last=True)}
 
 
 def nvidia_compiler() -> bool:
@@ -73,7 +74,8 @@ def nvidia_compiler() -> bool:
 def test_the_kernels_compile_for_an_h200(shape, dtypes, tmp_path):
     """What the interpreter cannot show: every kernel the engine launches (decode step, verify passes,
     head, commit) builds for sm_90 within an SM's shared memory (benchmarks/compile_kernels.py, on meta
-    tensors of the model's shape, no GPU needed). A loop-carried value whose dtype changes passes the
+    tensors of the model's shape, no GPU needed), also with the split matmul and the merge by the last
+    chunk program (their atomics and L2 reads). A loop-carried value whose dtype changes passes the
     interpreter and fails here."""
     import json
     import subprocess
@@ -83,7 +85,8 @@ def test_the_kernels_compile_for_an_h200(shape, dtypes, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = tmp_path / "compile.json"
     run = subprocess.run([sys.executable, str(root / "benchmarks" / "compile_kernels.py"), "--shape", shape, "--dtypes", dtypes,
-                          "--out", str(out)], env=env, capture_output=True, text=True, timeout=600)
+                          "--variants", "triton,triton_ksplit4,triton_merge_last", "--out", str(out)],
+                         env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["failed"] == 0 and report["launches_compiled"] >= 8
@@ -91,7 +94,27 @@ def test_the_kernels_compile_for_an_h200(shape, dtypes, tmp_path):
         r["kernel"] for r in report["results"]}
 
 
-@pytest.mark.parametrize("bad", [dict(bk_max=48), dict(slots=8), dict(warps=3), dict(cols=24), dict(stages=9), dict(pairs=24),
+@pytest.mark.skipif(not nvidia_compiler(), reason="this Triton has no NVIDIA backend")
+def test_the_compile_check_refuses_a_tuning_the_gpu_refused(tmp_path):
+    """The check compiles as the JIT does on a GPU (aligned pointers and multiples of 16 specialized, so the
+    loops pipeline through shared memory): Tuning(bk_max=1024) at the 8B shape needs more shared memory than
+    an SM has, which the H200 reported (OutOfResources(233472, 232448) for the qkv kernel at 8114dc5)."""
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = tmp_path / "compile.json"
+    run = subprocess.run([sys.executable, str(root / "benchmarks" / "compile_kernels.py"), "--shape", "llama8b", "--dtypes",
+                          "bfloat16", "--rows", "1", "--tuning", "bk_max=1024", "--out", str(out)],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 1, run.stdout[-3000:] + run.stderr[-3000:]
+    failed = {r["kernel"]: r for r in json.loads(out.read_text())["results"] if not r["ok"]}
+    assert "_qkv_rope_cache" in failed and failed["_qkv_rope_cache"]["shared_bytes"] > 232448
+
+
+@pytest.mark.parametrize("bad", [dict(bk_max=48), dict(slots=8), dict(warps=3), dict(cols=24), dict(stages=9), dict(pairs=24), dict(ksplit=0),
                                  dict(split=24)])
 def test_a_tuning_the_kernels_cannot_take_is_refused_naming_the_field(bad):
     with pytest.raises(ValueError, match=f"Tuning.{next(iter(bad))} must be"):
@@ -167,9 +190,14 @@ ON_THIS_HOST = [pytest.param("cpu", marks=pytest.mark.skipif(torch.cuda.is_avail
                 DEVICES[1]]
 
 
+# the default, and K split into parts with the merge by the last chunk program (tiles small enough to split)
+BITS_TUNINGS = {"default": kernels.Tuning(), "ksplit2-merge-last": kernels.Tuning(bk_max=32, ksplit=2, split=16, merge_last=True)}
+
+
+@pytest.mark.parametrize("tuning", BITS_TUNINGS.values(), ids=BITS_TUNINGS.keys())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_token_gets_the_same_bits_alone_as_in_a_verify_pass(device, dtype):
+def test_a_token_gets_the_same_bits_alone_as_in_a_verify_pass(device, dtype, tuning):
     """What makes speculative output equal plain output in fp32: row t of a T-token pass is computed
     exactly as a one-token pass at the same slot (rows go in fixed tiles of kernels.ROWS)."""
     if device == "cpu" and dtype == torch.bfloat16:
@@ -181,16 +209,17 @@ def test_a_token_gets_the_same_bits_alone_as_in_a_verify_pass(device, dtype):
     x = torch.randn(1, 4, 64, generator=g).to(device, dtype)
     pos = torch.arange(10, 14, device=device)
     cos, sin = model.rotary(pos[None], x.dtype)
-    many = kernels.layer_forward(layer, x, cos, sin, pos, causal_mask(pos, S))
+    many = kernels.layer_forward(layer, x, cos, sin, pos, causal_mask(pos, S), tuning)
     for t in range(4):  # slots before t hold what the 4-token pass wrote there
         one = kernels.layer_forward(layer, x[:, t : t + 1], cos[:, t : t + 1], sin[:, t : t + 1], pos[t : t + 1],
-                                    causal_mask(pos[t : t + 1], S))
+                                    causal_mask(pos[t : t + 1], S), tuning)
         assert torch.equal(one[0, 0], many[0, t])
 
 
+@pytest.mark.parametrize("tuning", BITS_TUNINGS.values(), ids=BITS_TUNINGS.keys())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_tree_token_gets_the_bits_of_a_one_token_step_after_its_ancestors(device, dtype):
+def test_a_tree_token_gets_the_bits_of_a_one_token_step_after_its_ancestors(device, dtype, tuning):
     """The same for a tree, so that bf16 tree decoding gives plain greedy output too: token t of a verify
     pass over a 20-node tree gets, in a decoder layer, the bits a one-token step at its depth gets once
     its ancestors' keys and values fill the slots after the prefix (what plain decoding writes there)."""
@@ -206,7 +235,7 @@ def test_a_tree_token_gets_the_bits_of_a_one_token_step_after_its_ancestors(devi
     x = torch.randn(1, T, 64, generator=g).to(device, dtype)
     pos = torch.arange(p0, p0 + T, device=device)
     cos, sin = model.rotary((p0 + torch.tensor(depth, device=device))[None], x.dtype)
-    tree = kernels.layer_forward(layer, x, cos, sin, pos, tree_mask(anc.to(device), torch.tensor(p0, device=device), S))
+    tree = kernels.layer_forward(layer, x, cos, sin, pos, tree_mask(anc.to(device), torch.tensor(p0, device=device), S), tuning)
     written = cache.k.clone(), cache.v.clone()
     for t in range(T):
         path = p0 + anc[t].nonzero().flatten().to(device)  # root .. t
@@ -214,7 +243,7 @@ def test_a_tree_token_gets_the_bits_of_a_one_token_step_after_its_ancestors(devi
         for buf, src in zip((cache.k, cache.v), written):
             buf.copy_(src)
             buf[:, :, p0 : p0 + len(path) - 1] = src[:, :, path[:-1]]
-        one = kernels.layer_forward(layer, x[:, t : t + 1], cos[:, t : t + 1], sin[:, t : t + 1], at, causal_mask(at, S))
+        one = kernels.layer_forward(layer, x[:, t : t + 1], cos[:, t : t + 1], sin[:, t : t + 1], at, causal_mask(at, S), tuning)
         assert torch.equal(one[0, 0], tree[0, t]), f"token {t} (depth {depth[t]})"
         assert torch.equal(cache.k[:, :, at], written[0][:, :, path[-1:]])  # its own key, as the tree pass wrote it
 
@@ -270,7 +299,8 @@ def test_wider_qkv_programs_match_the_torch_layer(pairs):
 
 
 ATTENTION_TUNINGS = {"one-block": kernels.Tuning(split=0), "blocks16": kernels.Tuning(slots=16, split=0),
-                     "split16": kernels.Tuning(split=16, slots=16), "split32": kernels.Tuning(split=32)}
+                     "split16": kernels.Tuning(split=16, slots=16), "split32": kernels.Tuning(split=32),
+                     "split16-merge-last": kernels.Tuning(split=16, slots=16, merge_last=True)}
 
 
 def attention_reference(q, k, v, mask):
@@ -381,7 +411,9 @@ def test_a_rows_layer_output_does_not_depend_on_how_far_its_pass_reaches(tuning,
     assert torch.equal(outs[0][0, :2], outs[1][0, :2])
 
 
-@pytest.mark.parametrize("tuning", [kernels.Tuning(split=0), kernels.Tuning(split=16, slots=16)], ids=["unsplit", "split16"])
+@pytest.mark.parametrize("tuning", [kernels.Tuning(split=0), kernels.Tuning(split=16, slots=16),
+                                    kernels.Tuning(split=16, slots=16, merge_last=True)],
+                         ids=["unsplit", "split16", "split16-merge-last"])  # ksplit: on CUDA below (the interpreter is slow)
 def test_speculative_decoding_on_the_kernels_equals_plain_greedy(tuning):
     eager = kernel_target(layers=4)  # a drafter reads three distinct aux layers
     model = kernel_target(layers=4).optimize(kernels="triton", tuning=tuning)
@@ -391,6 +423,39 @@ def test_speculative_decoding_on_the_kernels_equals_plain_greedy(tuning):
     assert decode_plain(model, prompt, 16).tokens == reference
     assert decode_chain(model, drafter, prompt, 16, 3).tokens == reference
     assert decode_tree(model, drafter, prompt, 16, TreeSpec(2, 3, 4)).tokens == reference
+
+
+@pytest.mark.parametrize("ksplit", [1, 2, 3, 5, 16])
+def test_a_matmul_split_over_k_sums_its_parts_and_leaves_its_counters_at_zero(ksplit, nan_empty):
+    """Tuning.ksplit: o_proj and down_proj's K in parts of whole tiles, the last part of a tile to arrive
+    summing the fp32 parts in order. K is 7 tiles: 3 parts of 3 tiles (the last one mostly past K), 5
+    asked for gives 4 parts of 2, 16 as many parts as tiles. The result is the unsplit one up to the
+    sum's order, and every row tile's counter is back at zero for the next launch, also after a second."""
+    g = torch.Generator().manual_seed(13)
+    T, K, N = 20, 200, 48  # two row tiles; K: 7 tiles of 32 (the last partial)
+    a, w, r = torch.randn(T, K, generator=g), torch.randn(N, K, generator=g), torch.randn(T, N, generator=g)
+    tuning = kernels.Tuning(bk_max=32)
+    for _ in range(2):
+        y = kernels._matmul(a, w, r, tuning, ksplit)
+        torch.testing.assert_close(y, r + a @ w.T, atol=1e-4, rtol=1e-5)
+        if ksplit > 1:
+            assert not kernels._COUNTERS[a.device].any()
+    assert torch.equal(kernels._matmul(a, w, None, tuning, ksplit), kernels._matmul(a, w, None, tuning, ksplit))
+
+
+def test_arrival_counters_are_not_made_inside_graph_capture(monkeypatch):
+    """The counters live across launches, so they cannot come from a captured graph's memory pool: made
+    on first use, which must be outside capture, with an error that says so."""
+    monkeypatch.setattr(kernels, "_COUNTERS", {})
+    like = torch.zeros(1)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="before capturing"):
+        kernels._counters(like, 8)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert kernels._counters(like, 8) is kernels._counters(like, 16)
+    with pytest.raises(ValueError, match="Tuning.cols"):
+        kernels._counters(like, 1 << 20)
 
 
 def test_layers_the_kernels_do_not_cover_keep_the_torch_path():
@@ -430,17 +495,20 @@ SMOLLM2_WIDTHS = dict(hidden_size=576, num_attention_heads=9, num_key_value_head
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("split,compiled", [(128, False), (0, True)], ids=["default", "unsplit-compiled-drafter"])
-def test_speculation_on_cuda_kernels_at_smollm2_widths_equals_plain(split, compiled, dtype):
+@pytest.mark.parametrize("tuning,compiled", [(kernels.Tuning(), False), (kernels.Tuning(split=0), True),
+                                             (kernels.Tuning(ksplit=2, merge_last=True), False)],
+                         ids=["default", "unsplit-compiled-drafter", "ksplit2-merge-last"])
+def test_speculation_on_cuda_kernels_at_smollm2_widths_equals_plain(tuning, compiled, dtype):
     """The device bench's exactness check, at SmolLM2's widths with the default Tuning under CUDA
     graphs: the fp32 tiles must fit an SM (the bench's fp32 check once died of OutOfResources) and a
     token's bits must not depend on the pass it is in. Also unsplit, with the drafter compiled as bench
     compiles it (its steps and the verify cycle's acceptance and catch-up). In bf16 too: a tree token's
     attention reduces over its ancestors where plain decoding puts them, so random weights' near-ties
-    break the same way (until 2026-12-05 the bf16 tree agreed on ~99% of the real model's tokens)."""
+    break the same way (until 2026-12-05 the bf16 tree agreed on ~99% of the real model's tokens). And
+    with o_proj/down_proj split over K and the attention's merge done by its last chunk program: their
+    arrival counters under graph replay, step after step."""
     from draftsmith.cudagraph import Graphs
 
-    tuning = kernels.Tuning(split=split)
     model = tiny_native(layers=4, **SMOLLM2_WIDTHS).optimize(kernels="triton", tuning=tuning)
     drafter = tiny_drafter(model, draft_vocab=200).cuda().to(dtype)
     if compiled:
@@ -458,9 +526,10 @@ def test_speculation_on_cuda_kernels_at_smollm2_widths_equals_plain(split, compi
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("split", [0, 128, 256])
+@pytest.mark.parametrize("tuning", [kernels.Tuning(split=0), kernels.Tuning(split=128), kernels.Tuning(split=256),
+                                    kernels.Tuning(ksplit=4, merge_last=True)], ids=["split0", "split128", "split256", "ksplit4-merge-last"])
 @pytest.mark.parametrize("T", [1, 8, 49])
-def test_bf16_kernels_fit_and_match_at_the_llama8b_layer_shape(T, split):
+def test_bf16_kernels_fit_and_match_at_the_llama8b_layer_shape(T, tuning):
     """One Llama-3.1-8B-shaped layer (4096 wide, 32 heads of 128, 8 kv heads, 14336 MLP) with the
     default Tuning, for a decode step, a chain verify and a 49-node tree's row count: it compiles (its
     tiles fit an SM) and its bf16 output is as close to the layer computed in fp32 (same bf16 weights,
@@ -485,7 +554,7 @@ def test_bf16_kernels_fit_and_match_at_the_llama8b_layer_shape(T, split):
     x = torch.randn(1, T, 4096, device="cuda", dtype=torch.bfloat16)
     exact = layer32(x.float(), *model32.rotary(pos[None], torch.float32), pos, mask)
     cos, sin = model.rotary(pos[None], x.dtype)
-    ref, (kr, vr), out, (k, v) = run_both(layer, x, cos, sin, pos, mask, kernels.Tuning(split=split))
+    ref, (kr, vr), out, (k, v) = run_both(layer, x, cos, sin, pos, mask, tuning)
     torch_err = (ref.float() - exact).abs().max()
     kernel_err = (out.float() - exact).abs().max()
     assert kernel_err <= 2 * torch_err + 1e-3 * exact.abs().max(), (kernel_err, torch_err, exact.abs().max())
