@@ -13,7 +13,7 @@
 set -uo pipefail
 out=${1:?usage: engine_session.sh OUT [VARIANTS] [SWEEP]}
 variants=${2:-compiled,triton,triton_torch_head,triton_unsplit,triton_merge_last,triton_ksplit2}
-sweep=${3:-"bk_max=256;pairs=32;split=128,256;cols=0,16;ksplit=1,2,4;merge_last=0,1"}  # 24 tunings
+sweep=${3:-"bk_max=256;pairs=32;split=64,128,256;cols=0,16;ksplit=1,2,4;merge_last=0,1"}  # 36 tunings
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
 step() {  # step NAME SECONDS CMD...: runs CMD, records its exit status and wall time in OUT/steps.txt
