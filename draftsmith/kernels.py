@@ -57,7 +57,8 @@ class Tuning:
     dropped (logs/tree-cycle-8c7a00e.json, logs/engine-8b-sweep-8c7a00e.json): matmul programs computing
     up to four row tiles from one weight read (a 49-row pass 2.19 ms against 1.32), RMSNorm folded into
     the matmul's pass over x (8B step 7.75 against 5.07 ms) and the split's merge done by o_proj (SmolLM2
-    step 1.31 against 0.90 ms)."""
+    step 1.31 against 0.90 ms). Not yet timed on a GPU: ksplit and merge_last (so off), and head (on, so
+    that a token's logits do not depend on its pass; its speed against cuBLAS is unmeasured)."""
     bk_max: int = 256  # reduction tile: K rounded up to a power of 2, at most this
     slots: int = 128  # attention: cache slots a step
     warps: int = 4
