@@ -168,6 +168,10 @@ def main():
                     entry["ok"] = compiled.metadata.shared <= limit
                     if not entry["ok"]:
                         entry["error"] = f"shared memory {compiled.metadata.shared} B > the {limit} B a block may use"
+                    if options.get("launch_pdl"):  # a PDL launch must wait on the device before touching memory
+                        entry["griddepcontrol"] = "griddepcontrol.wait" in compiled.asm["ptx"]
+                        if not entry["griddepcontrol"]:
+                            entry.update(ok=False, error="launched with PDL but never waits (griddepcontrol.wait)")
                 except Exception as e:  # noqa: BLE001 - every launch is reported, the run fails at the end
                     entry.update(ok=False, error=f"{type(e).__name__}: {str(e)[:2000]}")
                 results.append(entry)

@@ -12,8 +12,8 @@
 # usage: bash benchmarks/engine_session.sh OUT [VARIANTS] [SWEEP]
 set -uo pipefail
 out=${1:?usage: engine_session.sh OUT [VARIANTS] [SWEEP]}
-variants=${2:-compiled,triton,triton_torch_head,triton_unsplit,triton_merge_last,triton_ksplit2}
-sweep=${3:-"bk_max=256;pairs=32;split=64,128,256;cols=0,16;ksplit=1,2,4;merge_last=0,1"}  # 36 tunings
+variants=${2:-compiled,triton,triton_torch_head,triton_unsplit,triton_merge_last,triton_ksplit2,triton_pdl,triton_pdl_merge_last}
+sweep=${3:-"bk_max=256;pairs=32;split=64,256;cols=0,16;ksplit=1,4;merge_last=0,1;pdl=0,1"}  # 32 tunings
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
 step() {  # step NAME SECONDS CMD...: runs CMD, records its exit status and wall time in OUT/steps.txt

@@ -351,7 +351,8 @@ TRITON_VARIANTS = {"triton": {}, "triton_torch_commit": {"move_slots": False}, "
                    "triton_split64": {"split": 64}, "triton_split256": {"split": 256}, "triton_pairs32": {"pairs": 32},
                    "triton_cols32": {"cols": 32}, "triton_cols64": {"cols": 64}, "triton_torch_head": {"head": False},
                    "triton_ksplit2": {"ksplit": 2}, "triton_ksplit4": {"ksplit": 4}, "triton_merge_last": {"merge_last": True},
-                   "triton_cols16_ksplit2": {"cols": 16, "ksplit": 2}}
+                   "triton_cols16_ksplit2": {"cols": 16, "ksplit": 2}, "triton_pdl": {"pdl": True},
+                   "triton_pdl_merge_last": {"pdl": True, "merge_last": True}}
 ENGINE_VARIANTS = ("graphs", "compiled", "compiled_model", "compiled_model_cdt", "compiled_sdpa", "compiled_autotune", "triton",
                    "triton_sweep")  # engine's default --variants
 

@@ -11,7 +11,8 @@ At batch 1 SmolLM2-135M's compiled decode step is ~560 kernels of ~2 us each on 
   4. rmsnorm -> gate/up matmul -> silu(gate) * up
   5. down_proj + residual
 (1, 3 and 5 optionally split over K, Tuning.ksplit: the last part of a tile to finish adds the parts up.
-A program knows it is the last by an atomic counter, _arrive_last, so neither needs another launch.)
+A program knows it is the last by an atomic counter, _arrive_last, so neither needs another launch.
+With Tuning.pdl each kernel is launched while the one before it runs and waits for it on the device.)
 
 A token gets the same arithmetic in a one-token step as in a 48-node tree verify: the decoder layers
 give it the same bits, in bf16 as in fp32 (so in fp32 speculative output equals plain output, as
@@ -78,6 +79,10 @@ class Tuning:
     ksplit: int = 1
     # with split: the last chunk program of a token merges the chunks itself instead of a sixth kernel
     merge_last: bool = False
+    # programmatic dependent launch (Hopper): each kernel is put on the GPU while the one before it runs and
+    # waits on the device for it to finish, instead of being launched after it (SmolLM2's step is ~180
+    # kernels whose launch gaps are a good part of its time); the arithmetic is unchanged
+    pdl: bool = False
 
     def __post_init__(self):
         for name in ("bk_max", "slots"):
@@ -108,6 +113,16 @@ class Tuning:
 def _rows(a_ptr, rm, rk, n_rows, K: tl.constexpr):
     """Rows rm (BM,), columns rk (BK,) of a row-major (n_rows, K) matrix; zeros outside."""
     return tl.load(a_ptr + rm[:, None] * K + rk[None, :], mask=(rm[:, None] < n_rows) & (rk[None, :] < K), other=0.0)
+
+
+@triton.jit
+def _pdl_start(PDL: tl.constexpr):
+    """With programmatic dependent launch (Tuning.pdl) a kernel is put on the GPU while the one before it
+    still runs: it waits here until that one has finished and its writes are visible (so nothing before
+    this call may touch memory), then lets the next kernel be launched in turn."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
@@ -189,11 +204,12 @@ def _qkv_out(acc1, acc2, rm, head, d1, b_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr,
 def _qkv_rope_cache(x_ptr, nw_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, p_ptr, count_ptr,
                     n_rows, S, eps, K: tl.constexpr, D: tl.constexpr, H: tl.constexpr, KV: tl.constexpr,
                     BP: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, HAS_BIAS: tl.constexpr, PREC: tl.constexpr,
-                    KS: tl.constexpr, KP: tl.constexpr):
+                    KS: tl.constexpr, KP: tl.constexpr, PDL: tl.constexpr):
     # program (head x K part, pair block, row tile); heads are q heads, then k heads, then v heads (qkv's
     # rows). A program computes BP rotary pairs (d, d + D/2) of one head, so it can rotate them itself.
     # With KS parts (Tuning.ksplit) each sums KP of K into fp32 partials p (KS, n_rows, qkv's columns); the
     # last part of (head, pairs, rows) to finish adds them up in order and finishes as an unsplit one does
+    _pdl_start(PDL)
     head = tl.program_id(0) // KS
     d1 = tl.program_id(1) * BP + tl.arange(0, BP)  # first halves; partners at d1 + D/2
     rm = tl.program_id(2) * BM + tl.arange(0, BM)
@@ -315,8 +331,9 @@ def _token_rows(q_ptr, slot_ptr, m_ptr, n_rows, m_row, m_col, H: tl.constexpr, K
 @triton.jit
 def _attention(q_ptr, kc_ptr, vc_ptr, m_ptr, slot_ptr, o_ptr, n_rows, S, m_row, m_col, scale,
                H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr,
-               TMAX: tl.constexpr, PREC: tl.constexpr):
+               TMAX: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
     # program (kv head, token): its query heads over its keys
+    _pdl_start(PDL)
     t, head, ok, q, base, end, vis, rank, move, hi = _token_rows(q_ptr, slot_ptr, m_ptr, n_rows, m_row, m_col, H, KV, D, BM,
                                                                  TMAX, TMAX)
     m_i, l_i, acc = _attend(q, kc_ptr, vc_ptr, m_ptr, t, tl.program_id(0), S, m_row, m_col, scale, 0, hi, base, vis, rank,
@@ -329,12 +346,14 @@ def _attention(q_ptr, kc_ptr, vc_ptr, m_ptr, slot_ptr, o_ptr, n_rows, S, m_row, 
 @triton.jit
 def _attention_part(q_ptr, kc_ptr, vc_ptr, m_ptr, slot_ptr, pm_ptr, pl_ptr, pacc_ptr, o_ptr, count_ptr, n_rows, S, m_row,
                     m_col, scale, H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr,
-                    TMAX: tl.constexpr, CH: tl.constexpr, PREC: tl.constexpr, MERGE: tl.constexpr, NCP: tl.constexpr):
+                    TMAX: tl.constexpr, CH: tl.constexpr, PREC: tl.constexpr, MERGE: tl.constexpr, NCP: tl.constexpr,
+                    PDL: tl.constexpr):
     # split-KV (flash-decoding): program (kv head, token, chunk c of CH keys) attends over its chunk and
     # writes the running max, sum and unnormalised output for _attention_merge. Chunks at or past the
     # pass's end write nothing (the merge reads only the chunks below it); those past the token's own
     # keys write (-inf, 0, 0), as a one-token step's merge reads them there. With MERGE the last chunk
     # program of (kv head, token) to finish merges them (Tuning.merge_last)
+    _pdl_start(PDL)
     t, head, ok, q, base, end, vis, rank, move, hi = _token_rows(q_ptr, slot_ptr, m_ptr, n_rows, m_row, m_col, H, KV, D, BM,
                                                                  TMAX, TMAX)
     c = tl.program_id(2)
@@ -380,11 +399,12 @@ def _merged(pm_ptr, pl_ptr, pacc_ptr, at, ok, stride, n_chunks, D: tl.constexpr,
 
 @triton.jit
 def _attention_merge(pm_ptr, pl_ptr, pacc_ptr, slot_ptr, o_ptr, n_rows, H: tl.constexpr, D: tl.constexpr,
-                     CH: tl.constexpr, NCP: tl.constexpr, TMAX: tl.constexpr):
+                     CH: tl.constexpr, NCP: tl.constexpr, TMAX: tl.constexpr, PDL: tl.constexpr):
     # program (row = token t * H + head): the chunks' partial softmaxes as one, summed over a fixed
     # NCP-wide vector. Chunks at or past the pass's end are not read, and a chunk the row cannot see
     # holds (-inf, 0, 0): either way (-inf, 0, 0) at that place, so a row's bits are the same in a
     # one-token step as in a verify pass at the same slot.
+    _pdl_start(PDL)
     row = tl.program_id(0)
     c = tl.arange(0, NCP)
     _, end = _pass_slots(slot_ptr, n_rows, TMAX)
@@ -404,9 +424,10 @@ def _attention_merge(pm_ptr, pl_ptr, pacc_ptr, slot_ptr, o_ptr, n_rows, H: tl.co
 @triton.jit
 def _linear(a_ptr, w_ptr, r_ptr, y_ptr, p_ptr, count_ptr, n_rows, K: tl.constexpr, N: tl.constexpr, BN: tl.constexpr,
             BK: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr, RESIDUAL: tl.constexpr, KS: tl.constexpr,
-            KP: tl.constexpr):
+            KP: tl.constexpr, PDL: tl.constexpr):
     # y = r + a @ w^T (or a @ w^T), program (column block, row tile[, K part]). With KS parts each sums
     # KP of K into fp32 partials p (KS, n_rows, N); the last part of a tile to finish adds them up in order
+    _pdl_start(PDL)
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     rm = tl.program_id(1) * BM + tl.arange(0, BM)
     inside = (rm[:, None] < n_rows) & (rn[None, :] < N)
@@ -438,8 +459,9 @@ def _linear_out(acc, at, inside, r_ptr, y_ptr, RESIDUAL: tl.constexpr):
 
 
 @triton.jit
-def _rmsnorm(x_ptr, nw_ptr, y_ptr, n_rows, eps, K: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr):
+def _rmsnorm(x_ptr, nw_ptr, y_ptr, n_rows, eps, K: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, PDL: tl.constexpr):
     # program (row tile): RMSNorm rounded as RMSNorm.forward rounds it, as the layers' kernels compute it
+    _pdl_start(PDL)
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rstd = _rstd(x_ptr, rm, n_rows, eps, K, BK, BM)
     for k0 in range(0, K, BK):
@@ -450,9 +472,10 @@ def _rmsnorm(x_ptr, nw_ptr, y_ptr, n_rows, eps, K: tl.constexpr, BK: tl.constexp
 
 @triton.jit
 def _gate_up(x_ptr, nw_ptr, w_ptr, y_ptr, n_rows, eps, K: tl.constexpr, I: tl.constexpr, BN: tl.constexpr,
-             BK: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr):
+             BK: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
     # y = silu(norm(x) @ gate^T) * (norm(x) @ up^T); w is gate_up (2I, K): gate rows, then up rows.
     # Program (column block, row tile), as _linear.
+    _pdl_start(PDL)
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     rm = tl.program_id(1) * BM + tl.arange(0, BM)
     acc_g, acc_u = _normed_dots(x_ptr, nw_ptr, w_ptr, rn, rn + I, rn < I, rm, n_rows, eps, 0, K, K, BN, BK, BM, PREC)
@@ -528,7 +551,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     kv, S = k.shape[1], k.shape[2]
     grid, bs = (kv, T), tuning.slots_for(q.element_size())
     common = dict(H=h, KV=kv, D=D, BM=max(ROWS, triton.next_power_of_2(h // kv)), TMAX=MAX_T, PREC=_precision(q),
-                  num_warps=tuning.warps)
+                  num_warps=tuning.warps, **_pdl(tuning, q))
     if not tuning.split:
         _attention[grid](q, k, v, mask, input_pos, out, T, S, mask.stride(0), mask.stride(1), D**-0.5, BS=bs, **common)
         return
@@ -541,7 +564,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
                                       D**-0.5, BS=min(bs, tuning.split), CH=tuning.split, MERGE=tuning.merge_last, NCP=ncp,
                                       **common)
     if not tuning.merge_last:
-        _attention_merge[(T * h,)](pm, pl, pacc, input_pos, out, T, H=h, D=D, CH=tuning.split, NCP=ncp, TMAX=MAX_T)
+        _attention_merge[(T * h,)](pm, pl, pacc, input_pos, out, T, H=h, D=D, CH=tuning.split, NCP=ncp, TMAX=MAX_T,
+                                   **_pdl(tuning, q))
 
 
 def layer_forward(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: torch.Tensor,
@@ -586,7 +610,15 @@ def _precision(x: torch.Tensor) -> str:
 
 def _matmul_options(x: torch.Tensor, tuning: Tuning) -> dict:
     """The matmul kernels' launch options for x's dtype (layer_forward's and the head's alike)."""
-    return dict(BM=ROWS, PREC=_precision(x), num_warps=tuning.warps, **({"num_stages": tuning.stages} if tuning.stages else {}))
+    return dict(BM=ROWS, PREC=_precision(x), num_warps=tuning.warps, **({"num_stages": tuning.stages} if tuning.stages else {}),
+                **_pdl(tuning, x))
+
+
+def _pdl(tuning: Tuning, like: torch.Tensor) -> dict:
+    """The PDL switch a kernel takes (_pdl_start) and, when on, the launch option that goes with it: a GPU's
+    launch feature, so off for CPU tensors (the interpreter)."""
+    on = tuning.pdl and like.device.type != "cpu"
+    return dict(PDL=on, **({"launch_pdl": True} if on else {}))
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, tuning: Tuning = Tuning()) -> torch.Tensor:
@@ -595,7 +627,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, tuning: Tuning = 
     x2 = x.reshape(-1, K).contiguous()
     out = torch.empty_like(x2)
     _rmsnorm[(triton.cdiv(x2.shape[0], ROWS),)](x2, weight, out, x2.shape[0], eps, K=K, BK=tuning.bk(K, x.element_size()),
-                                                BM=ROWS, num_warps=tuning.warps)
+                                                BM=ROWS, num_warps=tuning.warps, **_pdl(tuning, x))
     return out.view(x.shape)
 
 

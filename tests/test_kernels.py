@@ -57,7 +57,8 @@ TUNINGS = {"default": kernels.Tuning(), "unsplit": kernels.Tuning(split=0),
            "small-tiles": kernels.Tuning(bk_max=16, slots=16, warps=2, split=0),
            "cols32-stages2": kernels.Tuning(bk_max=32, slots=32, cols=32, stages=2),
            "split16": kernels.Tuning(split=16, slots=16), "split32": kernels.Tuning(split=32),
-           "ksplit3-merge-last": kernels.Tuning(bk_max=16, ksplit=3, split=16, slots=16, merge_last=True)}
+           "ksplit3-merge-last": kernels.Tuning(bk_max=16, ksplit=3, split=16, slots=16, merge_last=True),
+           "pdl-off-on-cpu": kernels.Tuning(pdl=True)}  # a CUDA launch option: the interpreter runs without it
 
 
 def nvidia_compiler() -> bool:
@@ -85,11 +86,13 @@ def test_the_kernels_compile_for_an_h200(shape, dtypes, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = tmp_path / "compile.json"
     run = subprocess.run([sys.executable, str(root / "benchmarks" / "compile_kernels.py"), "--shape", shape, "--dtypes", dtypes,
-                          "--variants", "triton,triton_ksplit4,triton_merge_last", "--out", str(out)],
+                          "--variants", "triton,triton_ksplit4,triton_merge_last,triton_pdl", "--out", str(out)],
                          env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["failed"] == 0 and report["launches_compiled"] >= 8
+    pdl = [r for r in report["results"] if r["variant"] == "triton_pdl" and r["kernel"] != "_move_slots"]
+    assert pdl and all(r["griddepcontrol"] for r in pdl)  # every layer and head kernel waits on the one before
     assert {"_qkv_rope_cache", "_attention_part", "_attention_merge", "_linear", "_gate_up", "_rmsnorm", "_move_slots"} <= {
         r["kernel"] for r in report["results"]}
 
@@ -191,7 +194,8 @@ ON_THIS_HOST = [pytest.param("cpu", marks=pytest.mark.skipif(torch.cuda.is_avail
 
 
 # the default, and K split into parts with the merge by the last chunk program (tiles small enough to split)
-BITS_TUNINGS = {"default": kernels.Tuning(), "ksplit2-merge-last": kernels.Tuning(bk_max=32, ksplit=2, split=16, merge_last=True)}
+BITS_TUNINGS = {"default": kernels.Tuning(), "ksplit2-merge-last": kernels.Tuning(bk_max=32, ksplit=2, split=16, merge_last=True),
+                "pdl": kernels.Tuning(pdl=True)}  # pdl: a launch option on CUDA, ignored by the interpreter
 
 
 @pytest.mark.parametrize("tuning", BITS_TUNINGS.values(), ids=BITS_TUNINGS.keys())
@@ -496,8 +500,9 @@ SMOLLM2_WIDTHS = dict(hidden_size=576, num_attention_heads=9, num_key_value_head
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("tuning,compiled", [(kernels.Tuning(), False), (kernels.Tuning(split=0), True),
-                                             (kernels.Tuning(ksplit=2, merge_last=True), False)],
-                         ids=["default", "unsplit-compiled-drafter", "ksplit2-merge-last"])
+                                             (kernels.Tuning(ksplit=2, merge_last=True), False),
+                                             (kernels.Tuning(pdl=True, ksplit=2, merge_last=True), False)],
+                         ids=["default", "unsplit-compiled-drafter", "ksplit2-merge-last", "pdl-ksplit2-merge-last"])
 def test_speculation_on_cuda_kernels_at_smollm2_widths_equals_plain(tuning, compiled, dtype):
     """The device bench's exactness check, at SmolLM2's widths with the default Tuning under CUDA
     graphs: the fp32 tiles must fit an SM (the bench's fp32 check once died of OutOfResources) and a
@@ -506,7 +511,8 @@ def test_speculation_on_cuda_kernels_at_smollm2_widths_equals_plain(tuning, comp
     attention reduces over its ancestors where plain decoding puts them, so random weights' near-ties
     break the same way (until 2026-12-05 the bf16 tree agreed on ~99% of the real model's tokens). And
     with o_proj/down_proj split over K and the attention's merge done by its last chunk program: their
-    arrival counters under graph replay, step after step."""
+    arrival counters under graph replay, step after step. And with programmatic dependent launch, each
+    kernel waiting on the device for the one before it, captured in the graphs."""
     from draftsmith.cudagraph import Graphs
 
     model = tiny_native(layers=4, **SMOLLM2_WIDTHS).optimize(kernels="triton", tuning=tuning)
@@ -527,7 +533,8 @@ def test_speculation_on_cuda_kernels_at_smollm2_widths_equals_plain(tuning, comp
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("tuning", [kernels.Tuning(split=0), kernels.Tuning(split=128), kernels.Tuning(split=256),
-                                    kernels.Tuning(ksplit=4, merge_last=True)], ids=["split0", "split128", "split256", "ksplit4-merge-last"])
+                                    kernels.Tuning(ksplit=4, merge_last=True), kernels.Tuning(pdl=True)],
+                         ids=["split0", "split128", "split256", "ksplit4-merge-last", "pdl"])
 @pytest.mark.parametrize("T", [1, 8, 49])
 def test_bf16_kernels_fit_and_match_at_the_llama8b_layer_shape(T, tuning):
     """One Llama-3.1-8B-shaped layer (4096 wide, 32 heads of 128, 8 kv heads, 14336 MLP) with the
