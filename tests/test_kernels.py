@@ -70,6 +70,20 @@ def nvidia_compiler() -> bool:
         return False
 
 
+def compile_check(tmp_path, *args: str):
+    """benchmarks/compile_kernels.py run with args (the interpreter off): the process and its JSON report."""
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = tmp_path / "compile.json"
+    run = subprocess.run([sys.executable, str(root / "benchmarks" / "compile_kernels.py"), *args, "--out", str(out)],
+                         env=env, capture_output=True, text=True, timeout=600)
+    return run, json.loads(out.read_text()) if out.exists() else None
+
+
 @pytest.mark.skipif(not nvidia_compiler(), reason="this Triton has no NVIDIA backend")
 @pytest.mark.parametrize("shape,dtypes", [("smollm2", "bfloat16,float32"), ("llama8b", "bfloat16")])
 def test_the_kernels_compile_for_an_h200(shape, dtypes, tmp_path):
@@ -78,18 +92,9 @@ def test_the_kernels_compile_for_an_h200(shape, dtypes, tmp_path):
     tensors of the model's shape, no GPU needed), also with the split matmul and the merge by the last
     chunk program (their atomics and L2 reads). A loop-carried value whose dtype changes passes the
     interpreter and fails here."""
-    import json
-    import subprocess
-    import sys
-
-    root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = tmp_path / "compile.json"
-    run = subprocess.run([sys.executable, str(root / "benchmarks" / "compile_kernels.py"), "--shape", shape, "--dtypes", dtypes,
-                          "--variants", "triton,triton_ksplit4,triton_merge_last,triton_pdl", "--out", str(out)],
-                         env=env, capture_output=True, text=True, timeout=600)
+    run, report = compile_check(tmp_path, "--shape", shape, "--dtypes", dtypes, "--variants",
+                                "triton,triton_ksplit4,triton_merge_last,triton_pdl")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    report = json.loads(out.read_text())
     assert report["failed"] == 0 and report["launches_compiled"] >= 8
     pdl = [r for r in report["results"] if r["variant"] == "triton_pdl" and r["kernel"] != "_move_slots"]
     assert pdl and all(r["griddepcontrol"] for r in pdl)  # every layer and head kernel waits on the one before
@@ -102,18 +107,9 @@ def test_the_compile_check_refuses_a_tuning_the_gpu_refused(tmp_path):
     """The check compiles as the JIT does on a GPU (aligned pointers and multiples of 16 specialized, so the
     loops pipeline through shared memory): Tuning(bk_max=1024) at the 8B shape needs more shared memory than
     an SM has, which the H200 reported (OutOfResources(233472, 232448) for the qkv kernel at 8114dc5)."""
-    import json
-    import subprocess
-    import sys
-
-    root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = tmp_path / "compile.json"
-    run = subprocess.run([sys.executable, str(root / "benchmarks" / "compile_kernels.py"), "--shape", "llama8b", "--dtypes",
-                          "bfloat16", "--rows", "1", "--tuning", "bk_max=1024", "--out", str(out)],
-                         env=env, capture_output=True, text=True, timeout=600)
+    run, report = compile_check(tmp_path, "--shape", "llama8b", "--dtypes", "bfloat16", "--rows", "1", "--tuning", "bk_max=1024")
     assert run.returncode == 1, run.stdout[-3000:] + run.stderr[-3000:]
-    failed = {r["kernel"]: r for r in json.loads(out.read_text())["results"] if not r["ok"]}
+    failed = {r["kernel"]: r for r in report["results"] if not r["ok"]}
     assert "_qkv_rope_cache" in failed and failed["_qkv_rope_cache"]["shared_bytes"] > 232448
 
 
@@ -193,7 +189,7 @@ ON_THIS_HOST = [pytest.param("cpu", marks=pytest.mark.skipif(torch.cuda.is_avail
                 DEVICES[1]]
 
 
-# the default, and K split into parts with the merge by the last chunk program (tiles small enough to split)
+# the default; K split into parts with the merge by the last chunk program (tiles small enough to split); PDL
 BITS_TUNINGS = {"default": kernels.Tuning(), "ksplit2-merge-last": kernels.Tuning(bk_max=32, ksplit=2, split=16, merge_last=True),
                 "pdl": kernels.Tuning(pdl=True)}  # pdl: a launch option on CUDA, ignored by the interpreter
 
