@@ -80,8 +80,8 @@ class Tuning:
     # with split: the last chunk program of a token merges the chunks itself instead of a sixth kernel
     merge_last: bool = False
     # programmatic dependent launch (Hopper): each kernel is put on the GPU while the one before it runs and
-    # waits on the device for it to finish, instead of being launched after it (SmolLM2's step is ~180
-    # kernels whose launch gaps are a good part of its time); the arithmetic is unchanged
+    # waits on the device for it to finish, instead of being launched after it (to hide the launch gaps of
+    # SmolLM2's ~180 dependent kernels a step; how much they cost is unmeasured); the arithmetic is unchanged
     pdl: bool = False
 
     def __post_init__(self):
