@@ -12,11 +12,13 @@ checks what kernels compute; this checks that they build.
 
     python benchmarks/compile_kernels.py --shape smollm2 --dtypes bfloat16,float32 --out compile.json
     python benchmarks/compile_kernels.py --shape llama8b --dtypes bfloat16 --tuning 'bk_max=1024'   # too big: exit 1
+    python benchmarks/compile_kernels.py --shape llama8b --dtypes bfloat16 --tuning "$SWEEP"        # a sweep's grid
 
 Exit status 1 when any launch fails to compile or exceeds the limit; the JSON lists every launch.
 """
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -37,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from draftsmith import kernels  # noqa: E402
 from draftsmith.decode import tree_mask  # noqa: E402
 from draftsmith.target import Transformer  # noqa: E402
-from h200_run import LLAMA8B, SMOLLM2, TRITON_VARIANTS  # noqa: E402
+from h200_run import LLAMA8B, SMOLLM2, TRITON_VARIANTS, parse_sweep  # noqa: E402
 
 SHAPES = {"smollm2": SMOLLM2, "llama8b": LLAMA8B}
 SHARED_LIMIT = {90: 232448, 80: 166912}  # bytes of shared memory a block may use (H100/H200, A100)
@@ -137,7 +139,8 @@ def main():
     ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--variants", default="triton", help=f"kernels.Tuning variants (h200_run.TRITON_VARIANTS: {','.join(TRITON_VARIANTS)})"
                     " or 'all'")
-    ap.add_argument("--tuning", help="instead of --variants, one kernels.Tuning as fields, e.g. 'bk_max=1024;split=0'")
+    ap.add_argument("--tuning", help="instead of --variants, kernels.Tuning fields as h200_run --sweep takes them, every"
+                    " combination compiled: 'bk_max=1024' (one), 'split=64,256;ksplit=1,4' (four)")
     ap.add_argument("--rows", default="1,6,49", help="pass sizes to record (a decode step, a chain verify, a tree)")
     ap.add_argument("--slots", type=int, default=768, help="KV cache slots")
     ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability x10 (90: H100/H200)")
@@ -146,8 +149,9 @@ def main():
     variants = list(TRITON_VARIANTS) if a.variants == "all" else a.variants.split(",")
     tunings = {v: kernels.Tuning(**TRITON_VARIANTS[v]) for v in variants}
     if a.tuning:
-        fields = dict(f.split("=") for f in a.tuning.split(";"))
-        tunings = {a.tuning: kernels.Tuning(**{k: type(getattr(kernels.Tuning(), k))(int(v)) for k, v in fields.items()})}
+        grid = parse_sweep(a.tuning)
+        tunings = {";".join(f"{k}={int(v)}" for k, v in zip(grid, values)): kernels.Tuning(**dict(zip(grid, values)))
+                   for values in itertools.product(*grid.values())}
     target = GPUTarget("cuda", a.arch, 32)
     limit = SHARED_LIMIT.get(a.arch, 101376)
     seen, results, failed = set(), [], []

@@ -225,11 +225,8 @@ def _qkv_rope_cache(x_ptr, nw_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, slot_ptr, q_p
         tl.store(p_ptr + part * n_rows * NQ + at + D // 2, acc2, mask=ok)
         tile = (tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)) * (H + 2 * KV) + head
         if _arrive_last(count_ptr, tile, KS):
-            sum1 = tl.zeros([BM, BP], dtype=tl.float32)
-            sum2 = tl.zeros([BM, BP], dtype=tl.float32)
-            for s in tl.static_range(KS):
-                sum1 += tl.load(p_ptr + s * n_rows * NQ + at, mask=ok, other=0.0, cache_modifier=".cg")
-                sum2 += tl.load(p_ptr + s * n_rows * NQ + at + D // 2, mask=ok, other=0.0, cache_modifier=".cg")
+            sum1 = _sum_parts(p_ptr, at, ok, n_rows * NQ, KS)
+            sum2 = _sum_parts(p_ptr, at + D // 2, ok, n_rows * NQ, KS)
             _qkv_out(sum1, sum2, rm, head, d1, b_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, n_rows, S, D, H, KV,
                      HAS_BIAS)
     else:
@@ -285,6 +282,16 @@ def _pass_slots(slot_ptr, n_rows, TMAX: tl.constexpr):
     slots = tl.load(slot_ptr + rt, mask=rt < n_rows, other=0)
     end = tl.max(slots, axis=0) + 1
     return tl.min(tl.where(rt < n_rows, slots, end), axis=0), end
+
+
+@triton.jit
+def _sum_parts(p_ptr, at, mask, stride, KS: tl.constexpr):
+    """The KS fp32 partials at p_ptr + part * stride + at, added up in order (so a token's bits do not
+    depend on which part finished last), read from L2 (.cg): other programs of this launch wrote them."""
+    total = tl.zeros(at.shape, dtype=tl.float32)
+    for part in tl.static_range(KS):
+        total += tl.load(p_ptr + part * stride + at, mask=mask, other=0.0, cache_modifier=".cg")
+    return total
 
 
 @triton.jit
@@ -358,43 +365,18 @@ def _attention_part(q_ptr, kc_ptr, vc_ptr, m_ptr, slot_ptr, pm_ptr, pl_ptr, pacc
                                                                  TMAX, TMAX)
     c = tl.program_id(2)
     lo = c * CH
-    at = t * H + head
     if lo < end:
         m_i, l_i, acc = _attend(q, kc_ptr, vc_ptr, m_ptr, t, tl.program_id(0), S, m_row, m_col, scale, lo,
                                 tl.minimum(lo + CH, hi), base, vis, rank, move, D, BS, BM, TMAX, PREC)
-        part = c * n_rows * H + at  # partials (chunks, T, H[, D])
+        part = c * n_rows * H + t * H + head  # partials (chunks, T, H[, D])
         tl.store(pm_ptr + part, m_i, mask=ok)
         tl.store(pl_ptr + part, l_i, mask=ok)
         tl.store(pacc_ptr + part[:, None] * D + tl.arange(0, D)[None, :], acc, mask=ok[:, None])
     if MERGE:
         if _arrive_last(count_ptr, tl.program_id(0) * TMAX + t, tl.num_programs(2)):
-            out = _merged(pm_ptr, pl_ptr, pacc_ptr, at, ok, n_rows * H, tl.cdiv(end, CH), D, NCP)
-            tl.store(o_ptr + at[:, None] * D + tl.arange(0, D)[None, :], out.to(q.dtype), mask=ok[:, None])
-
-
-@triton.jit
-def _merged(pm_ptr, pl_ptr, pacc_ptr, at, ok, stride, n_chunks, D: tl.constexpr, NCP: tl.constexpr):
-    """Rows at (BM,) of the chunks' partial softmaxes (chunk c's at c * stride + at) merged, chunk by chunk
-    in order over a fixed NCP: chunks at or past n_chunks, like those a row cannot see, add exact zeros
-    at the same places, so a row's bits do not depend on how far its pass reaches. Reads from L2 (.cg):
-    the partials come from other programs of the same launch."""
-    rd = tl.arange(0, D)
-    chunks = tl.where(ok, n_chunks, 0)  # a row's chunks, as a (BM,) vector
-    top = tl.full(at.shape, float("-inf"), dtype=tl.float32)
-    for c in tl.static_range(NCP):
-        real = chunks > c
-        top = tl.maximum(top, tl.load(pm_ptr + c * stride + at, mask=real, other=float("-inf"), cache_modifier=".cg"))
-    top = tl.where(top == float("-inf"), 0.0, top)
-    den = tl.zeros(at.shape, dtype=tl.float32)
-    out = tl.zeros([at.shape[0], D], dtype=tl.float32)
-    for c in tl.static_range(NCP):
-        real = chunks > c
-        w = tl.exp(tl.load(pm_ptr + c * stride + at, mask=real, other=float("-inf"), cache_modifier=".cg") - top)
-        den += w * tl.load(pl_ptr + c * stride + at, mask=real, other=0.0, cache_modifier=".cg")
-        acc = tl.load(pacc_ptr + (c * stride + at)[:, None] * D + rd[None, :], mask=real[:, None], other=0.0,
-                      cache_modifier=".cg")
-        out += w[:, None] * acc
-    return out / tl.where(den == 0.0, 1.0, den)[:, None]
+            for r in tl.static_range(H // KV):  # its query heads, each as _attention_merge merges a row
+                _merge_row(pm_ptr, pl_ptr, pacc_ptr, o_ptr, t * H + tl.program_id(0) * (H // KV) + r, n_rows * H,
+                           tl.cdiv(end, CH), D, NCP, ".cg")
 
 
 @triton.jit
@@ -405,15 +387,24 @@ def _attention_merge(pm_ptr, pl_ptr, pacc_ptr, slot_ptr, o_ptr, n_rows, H: tl.co
     # holds (-inf, 0, 0): either way (-inf, 0, 0) at that place, so a row's bits are the same in a
     # one-token step as in a verify pass at the same slot.
     _pdl_start(PDL)
-    row = tl.program_id(0)
-    c = tl.arange(0, NCP)
     _, end = _pass_slots(slot_ptr, n_rows, TMAX)
-    real = c < tl.cdiv(end, CH)
-    at = c * n_rows * H + row
-    m = tl.load(pm_ptr + at, mask=real, other=float("-inf"))
-    l = tl.load(pl_ptr + at, mask=real, other=0.0)
+    _merge_row(pm_ptr, pl_ptr, pacc_ptr, o_ptr, tl.program_id(0), n_rows * H, tl.cdiv(end, CH), D, NCP, "")
+
+
+@triton.jit
+def _merge_row(pm_ptr, pl_ptr, pacc_ptr, o_ptr, row, stride, n_chunks, D: tl.constexpr, NCP: tl.constexpr,
+               CACHE: tl.constexpr):
+    """Output row `row` from the chunks' partial softmaxes (chunk c's at c * stride + row), summed over a
+    fixed NCP-wide vector: chunks at or past n_chunks, like those the row cannot see, are (-inf, 0, 0) at
+    the same places, so its bits do not depend on how far its pass reaches. CACHE ".cg" reads them from
+    L2, for partials that other programs of the same launch wrote (Tuning.merge_last)."""
+    c = tl.arange(0, NCP)
+    real = c < n_chunks
+    at = c * stride + row
+    m = tl.load(pm_ptr + at, mask=real, other=float("-inf"), cache_modifier=CACHE)
+    l = tl.load(pl_ptr + at, mask=real, other=0.0, cache_modifier=CACHE)
     rd = tl.arange(0, D)
-    acc = tl.load(pacc_ptr + at[:, None] * D + rd[None, :], mask=real[:, None], other=0.0)
+    acc = tl.load(pacc_ptr + at[:, None] * D + rd[None, :], mask=real[:, None], other=0.0, cache_modifier=CACHE)
     top = tl.max(m, axis=0)
     w = tl.exp(m - tl.where(top == float("-inf"), 0.0, top))
     den = tl.sum(w * l, axis=0)
@@ -441,10 +432,7 @@ def _linear(a_ptr, w_ptr, r_ptr, y_ptr, p_ptr, count_ptr, n_rows, K: tl.constexp
     if KS > 1:
         tl.store(p_ptr + tl.program_id(2) * n_rows * N + at, acc, mask=inside)
         if _arrive_last(count_ptr, tl.program_id(1) * tl.num_programs(0) + tl.program_id(0), KS):
-            acc = tl.zeros([BM, BN], dtype=tl.float32)
-            for part in tl.static_range(KS):
-                acc += tl.load(p_ptr + part * n_rows * N + at, mask=inside, other=0.0, cache_modifier=".cg")
-            _linear_out(acc, at, inside, r_ptr, y_ptr, RESIDUAL)
+            _linear_out(_sum_parts(p_ptr, at, inside, n_rows * N, KS), at, inside, r_ptr, y_ptr, RESIDUAL)
     else:
         _linear_out(acc, at, inside, r_ptr, y_ptr, RESIDUAL)
 
