@@ -24,7 +24,7 @@ import torch
 from draftsmith.common import Progress, dtype_of, rows_table, write_result
 from draftsmith.data import load_eval, prompt_ids
 from draftsmith.cudagraph import Graphs
-from draftsmith.decode import (TreeSpec, decode_chain, decode_chain_sampled, decode_plain, decode_tree,
+from draftsmith.decode import (TREE_DRAWS, TreeSpec, decode_chain, decode_chain_sampled, decode_plain, decode_tree,
                                decode_tree_sampled, greedy_agreement)
 from draftsmith.export import load_any
 from draftsmith.target import load_target
@@ -43,6 +43,7 @@ class BenchConfig:
     topk: int = 4  # tree: children per node and nodes expanded per level
     steps: int = 5  # tree: depth
     num_draft_tokens: int = 16  # tree: nodes verified per cycle
+    tree_draws: str = "auto"  # tree at temperature > 0: top | sample | auto (decode.TreeSpec.draws)
     temperature: float = 0.0  # > 0: lossless speculative sampling (chain or tree), compared by speed only
     top_p: float = 1.0
     seed: int = 0
@@ -57,6 +58,8 @@ class BenchConfig:
             raise ValueError("draft_tokens, num_prompts and max_new_tokens must be >= 1")
         if self.mode not in ("chain", "tree"):
             raise ValueError(f"mode must be chain or tree, not {self.mode!r}")
+        if self.tree_draws not in TREE_DRAWS:
+            raise ValueError(f"tree_draws must be one of {', '.join(TREE_DRAWS)}, not {self.tree_draws!r}")
         if self.kernels not in ("torch", "triton"):
             raise ValueError(f"kernels must be torch or triton, not {self.kernels!r}")
         if self.kernels == "triton" and not self.device.startswith("cuda"):
@@ -151,7 +154,7 @@ def run(config: BenchConfig) -> BenchResult:
     ids = [torch.tensor([prompt_ids(target.tokenizer, p.turns)], device=dev) for p in prompts]
     graphs = Graphs(dev.type == "cuda")
     gen = torch.Generator(config.device).manual_seed(config.seed)
-    tree = TreeSpec(config.topk, config.steps, config.num_draft_tokens)
+    tree = TreeSpec(config.topk, config.steps, config.num_draft_tokens, config.tree_draws)
     k = config.draft_tokens if config.mode == "chain" else config.num_draft_tokens
 
     def plain(x, n):

@@ -402,15 +402,35 @@ def decode_chain_sampled(model: Transformer, drafter: Eagle3Drafter, prompt: tor
 # --------------------------------------------------------------------------- tree speculation
 
 
+TREE_DRAWS = ("auto", "top", "sample")
+# "auto" drafts "top" below this temperature and "sample" from it on. Accept length of SmolLM2 with the
+# shipped drafter, 8x6x48 tree, 8 MT-bench prompts (CPU, benchmarks/results/tree-draws-cpu.json): top / sample
+# 2.77 / 2.59 at T=0.6, 2.40 / 2.41 at T=0.8, 2.06 / 2.19 at T=1; top's cycle is the cheaper (the greedy draft).
+TOP_BELOW = 0.9
+
+
 @dataclass(frozen=True)
 class TreeSpec:
     topk: int = 4  # children kept per expanded node, and nodes expanded per level
     steps: int = 5  # draft depth
     num_draft_tokens: int = 16  # tree nodes verified per cycle (the root, i.e. the pending token, not counted)
+    # at temperature > 0 (at 0 both are EAGLE-2's greedy tree): "top" drafts the greedy tree and the target
+    # samples its own token at every node, the walk following matches; "sample" draws children without
+    # replacement from the drafter and verifies them by recursive rejection sampling. Both are lossless;
+    # "auto" picks by temperature (TOP_BELOW).
+    draws: str = "auto"
 
     def __post_init__(self):
         if self.topk < 1 or self.steps < 1 or self.num_draft_tokens < 1:
             raise ValueError("topk, steps and num_draft_tokens must be >= 1")
+        if self.draws not in TREE_DRAWS:
+            raise ValueError(f"draws must be one of {TREE_DRAWS}, not {self.draws!r}")
+
+    def draws_at(self, temperature: float) -> str:
+        """How children are drafted at this temperature: "top" (always at 0) or "sample"."""
+        if temperature <= 0 or self.draws == "top" or (self.draws == "auto" and temperature < TOP_BELOW):
+            return "top"
+        return "sample"
 
     @property
     def nodes(self) -> int:
@@ -639,7 +659,8 @@ def accept_tree_sampled(p: torch.Tensor, tree: DraftTree, generator=None) -> tup
 def verify_tree(model: Transformer, pending: torch.Tensor, tree: DraftTree, pos: int, capture,
                 graphs: Graphs | None = None, temperature: float = 0.0, top_p: float = 1.0, generator=None):
     """One target pass over [pending, tree nodes] at slots pos..pos+N under the tree mask; a greedy walk
-    from the root (accept_tree_sampled at temperature > 0); the accepted path is moved to slots
+    from the root; at temperature > 0 the same walk over tokens the target samples at every node for a
+    tree drafted as at T=0 (no q), else accept_tree_sampled. The accepted path is moved to slots
     pos+1..pos+n. Returns (n, the token after the path, aux rows of root + path, path tokens)."""
     graphs = graphs or eager()
     dev = pending.device
@@ -655,7 +676,12 @@ def verify_tree(model: Transformer, pending: torch.Tensor, tree: DraftTree, pos:
     key = ("tree", n_nodes, id(model), model.max_len, tuple(capture)) + (("p", temperature, top_p) if sampled else ())
     out, aux = graphs(key, masked_step(model, capture, head), seq, torch.arange(pos, pos + n_nodes, device=dev),
                       mask[None, None].to(dev), rope.to(dev))
-    path, nxt = accept_tree_sampled(out, tree, generator) if sampled else accept_tree_greedy(out, tree)
+    if not sampled:
+        path, nxt = accept_tree_greedy(out, tree)
+    elif tree.q is None:  # drafted as at T=0 (draws="top"): the target samples its own token at every node
+        path, nxt = accept_tree_greedy(gumbel_sample(out, torch.rand(out.shape, generator=generator, device=dev)), tree)
+    else:
+        path, nxt = accept_tree_sampled(out, tree, generator)
     if path:
         model.commit(pos + torch.tensor(path, device=dev), torch.arange(pos + 1, pos + 1 + len(path), device=dev))
     rows = torch.tensor([0] + path, device=dev)
@@ -667,22 +693,25 @@ def decode_tree_sampled(model: Transformer, drafter: Eagle3Drafter, prompt: torc
                         temperature: float, top_p: float = 1.0, eos_ids=(), generator=None,
                         graphs: Graphs | None = None) -> Generation:
     """Tree speculation at temperature > 0 whose output is distributed exactly as the target's own
-    sampling (same temperature and top-p): children sampled without replacement from the drafter,
-    nodes ranked so that selection never reads a node's own token, recursive rejection sampling down
-    the tree. decode_tree's device-resident cycle (draft_sampled, verify_sampled: one host read a cycle,
-    their uniforms drawn from `generator` outside them); tree_loop is the host-driven reference."""
+    sampling (same temperature and top-p), by tree.draws: "top", the greedy tree with the target's own
+    draw at every node (draft_greedy, verify_top); "sample", children sampled without replacement from
+    the drafter, nodes ranked so that selection never reads a node's own token, recursive rejection
+    sampling down the tree (draft_sampled, verify_sampled). decode_tree's device-resident cycle (one
+    host read a cycle, uniforms drawn from `generator` outside the steps); tree_loop is the host-driven
+    reference."""
     return decode_tree(model, drafter, prompt, max_new, tree, eos_ids, graphs, temperature, top_p, generator)
 
 
 def tree_loop(model: Transformer, drafter: Eagle3Drafter, prompt: torch.Tensor, max_new: int, spec: TreeSpec, eos_ids,
               graphs: Graphs, temperature: float = 0.0, top_p: float = 1.0, generator=None) -> Generation:
     """The host-driven tree loop: draft a tree, verify it, commit the accepted path, catch the drafter
-    up on it. decode_tree_sampled's loop; at temperature 0 the host reference for decode_tree (the
-    same trees and output, ties aside)."""
+    up on it. The host reference for decode_tree: at temperature 0 the same trees and output (ties
+    aside), at temperature > 0 the same sampling rules (spec.draws)."""
     dev = prompt.device
     T = prompt.shape[1]
     capture = drafter.cfg.aux_layer_ids
     sampling = dict(temperature=temperature, top_p=top_p, generator=generator)
+    drafting = sampling if spec.draws_at(temperature) == "sample" else dict(sampling, temperature=0.0)
     model.setup_caches(1, T + max_new + spec.num_draft_tokens + 2)
     drafter.setup_caches(1, T + max_new + spec.steps * spec.topk + 2)
     sync(dev)
@@ -694,7 +723,7 @@ def tree_loop(model: Transformer, drafter: Eagle3Drafter, prompt: torch.Tensor, 
     pos = T
     while not finish(gen.tokens, max_new, eos_ids)[1]:
         t1 = time.perf_counter()
-        tree = draft_tree(drafter, h[:, -1:], pos, spec, graphs, **sampling)
+        tree = draft_tree(drafter, h[:, -1:], pos, spec, graphs, **drafting)
         sync(dev)
         t2 = time.perf_counter()
         n, bonus, aux, path_tokens = verify_tree(model, pending, tree, pos, capture, graphs, **sampling)
@@ -804,6 +833,23 @@ def verify_sampled(model: Transformer, drafter: Eagle3Drafter, spec: TreeSpec, t
         p = probs(model.logits(hidden), temperature, top_p)  # (N+1, V)
         draft_ids = drafter.to_target(torch.arange(q.shape[-1], device=q.device))
         return accept_sampled_on_device(p, tree, rank, exists, qrow, q, draft_ids, u_nodes, u_vocab, D, K)
+    return verify_cycle(model, drafter, spec, accept)
+
+
+def verify_top(model: Transformer, drafter: Eagle3Drafter, spec: TreeSpec, temperature: float, top_p: float = 1.0):
+    """verify_tree at temperature > 0 for draft_greedy's tree (TreeSpec.draws "top") as one fixed-shape
+    device step: verify(pending, tokens, parents, depth, pos, u (N+1, V) uniforms). The target draws its
+    own token at the root and at every node (gumbel_sample) and the walk follows the draws down the tree
+    as accept_on_device follows argmaxes. Lossless with no rejection rule: the tree is a function of the
+    prefix alone, each token emitted is the target's own draw given the tokens before it, and the nodes
+    of a path draw from independent uniforms. A node's children pass with the target's probability
+    of their tokens (the mass the top-k covers), whatever the drafter's probabilities were."""
+    D = min(spec.steps, spec.nodes)
+
+    def accept(hidden, tree, anc, u):
+        draw = gumbel_sample(probs(model.logits(hidden), temperature, top_p), u)  # (N+1,)
+        n, rows = accept_on_device(draw, tree, anc, D)
+        return n, rows, draw[rows[n]]
     return verify_cycle(model, drafter, spec, accept)
 
 
@@ -971,11 +1017,13 @@ def decode_tree(model: Transformer, drafter: Eagle3Drafter, prompt: torch.Tensor
     model.setup_caches(1, T + max_new + spec.num_draft_tokens + 2)
     drafter.setup_caches(1, T + max_new + spec.steps * spec.topk + 2)
     sampled = temperature > 0
-    if sampled:
+    drawn = spec.draws_at(temperature) == "sample"  # children drawn from the drafter, which needs uniforms
+    if drawn:
         draft = drafter.compiled(draft_sampled(drafter, spec, temperature, top_p))
         verify = verify_sampled(model, drafter, spec, temperature, top_p)
     else:
-        draft, verify = drafter.compiled(draft_greedy(drafter, spec)), verify_greedy(model, drafter, spec)
+        draft = drafter.compiled(draft_greedy(drafter, spec))
+        verify = verify_top(model, drafter, spec, temperature, top_p) if sampled else verify_greedy(model, drafter, spec)
     # a graph bakes in its modules, their cache buffers (replaced only when they grow) and the sampling settings
     how = ("sampled", temperature, top_p) if sampled else ()
     keys = (("tree-draft", spec, id(drafter), drafter.max_len, *how),
@@ -992,7 +1040,7 @@ def decode_tree(model: Transformer, drafter: Eagle3Drafter, prompt: torch.Tensor
 
     def draft_next():  # -> the tree (with the sampled tree's extra fields) and the draft's span on the device timeline
         start = mark(dev)
-        if sampled:
+        if drawn:
             return graphs(keys[0], draft, h, pos, torch.rand(u_shape, generator=generator, device=dev)), start, mark(dev)
         return (graphs(keys[0], draft, h, pos),), start, mark(dev)
 
@@ -1000,9 +1048,11 @@ def decode_tree(model: Transformer, drafter: Eagle3Drafter, prompt: torch.Tensor
     host = torch.empty(min(spec.steps, spec.nodes) + 2, dtype=torch.long, pin_memory=dev.type == "cuda")  # verify's out
     while not done:
         extra = ()
-        if sampled:  # rank, exists, qrow, q, then the acceptance's uniforms
+        if drawn:  # rank, exists, qrow, q, then the acceptance's uniforms
             extra = (*tree[1:], torch.rand(spec.nodes + 1, generator=generator, device=dev),
                      torch.rand(model.args.vocab_size, generator=generator, device=dev))
+        elif sampled:  # the uniforms of the target's own draw at every node
+            extra = (torch.rand(spec.nodes + 1, model.args.vocab_size, generator=generator, device=dev),)
         t = tree[0]
         out, h, pending, pos = graphs(keys[1], verify, pending, t.tokens, t.parents, t.depth, pos, *extra)
         v1 = mark(dev)

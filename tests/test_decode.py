@@ -183,10 +183,13 @@ def test_compiled_drafting_steps_decode_the_same(target, kind):
     fast = copy.deepcopy(drafter).optimize("eager")
     assert hasattr(fast.midlayer.mlp, "gate_up") and not hasattr(drafter.midlayer.mlp, "gate_up")
     spec = TreeSpec(3, 4, 10)
+
+    def sampled_tree(draws):
+        return lambda d: decode_tree(target, d, prompt, 30, dataclasses.replace(spec, draws=draws), temperature=0.8,
+                                     top_p=0.9, generator=torch.Generator().manual_seed(0))
     for sampled, decode in ((False, lambda d: decode_chain(target, d, prompt, 30, 3)),
                             (False, lambda d: decode_tree(target, d, prompt, 30, spec)),
-                            (True, lambda d: decode_tree(target, d, prompt, 30, spec, temperature=0.8, top_p=0.9,
-                                                         generator=torch.Generator().manual_seed(0)))):
+                            (True, sampled_tree("sample")), (True, sampled_tree("top"))):
         ref, got = decode(drafter), decode(fast)
         assert got.tokens == ref.tokens and got.accept_lengths == ref.accept_lengths
         assert kind == "trained-shape" or sampled or max(ref.accept_lengths) > 1  # the oracle drafts greedy text
@@ -557,10 +560,22 @@ def first_child_on_device(real):
     return accept
 
 
-def wrong_walk(monkeypatch, kind: str):
+def first_children(best, tree):
+    """best (N+1,) with each node's entry replaced by its first child's token: a walk over it always
+    accepts the first child (the power checks' wrong walk for trees drafted as at T=0)."""
+    best = best.clone()
+    for j in reversed(range(len(tree.parents))):
+        best[int(tree.parents[j]) + 1] = tree.tokens[j]
+    return best
+
+
+def wrong_walk(monkeypatch, kind: str, draws: str = "sample"):
     import draftsmith.decode as decode
 
-    if kind == "host":
+    if draws == "top":
+        walk = decode.accept_tree_greedy if kind == "host" else decode.accept_on_device
+        monkeypatch.setattr(decode, walk.__name__, lambda best, tree, *a: walk(first_children(best, tree), tree, *a))
+    elif kind == "host":
         monkeypatch.setattr(decode, "accept_tree_sampled", first_child_always)
     else:
         monkeypatch.setattr(decode, "accept_sampled_on_device", first_child_on_device(decode.accept_sampled_on_device))
@@ -593,8 +608,9 @@ def tree_sampler(kind: str):
         target, drafter, prompt, n, spec, (), decode.eager(), temp, top_p, generator)
 
 
+@pytest.mark.parametrize("draws", ["sample", "top"])
 @pytest.mark.parametrize("drafter_kind", ["random", "oracle"])
-def test_sampled_tree_at_tiny_temperature_is_greedy(target, drafter_kind):
+def test_sampled_tree_at_tiny_temperature_is_greedy(target, drafter_kind, draws):
     prompt = torch.randint(3, 320, (1, 7), generator=torch.Generator().manual_seed(5))
     plain = decode_plain(target, prompt, 40)
     if drafter_kind == "random":
@@ -603,6 +619,7 @@ def test_sampled_tree_at_tiny_temperature_is_greedy(target, drafter_kind):
         oracle = prompt[0].tolist() + plain.tokens + [0] * 20
         drafter = OracleDrafter(DraftConfig.from_target(target.args, target.args.vocab_size), oracle, 0.7)
         spec = TreeSpec(2, 4, 8)
+    spec = dataclasses.replace(spec, draws=draws)
     out = decode_tree_sampled(target, drafter, prompt, 40, spec, 1e-4, generator=torch.Generator().manual_seed(0))
     assert out.tokens == plain.tokens
     assert len(out.accept_lengths) >= 1 and out.draft_seconds > 0 and out.verify_seconds > 0
@@ -610,11 +627,13 @@ def test_sampled_tree_at_tiny_temperature_is_greedy(target, drafter_kind):
         assert max(out.accept_lengths) > 2
 
 
+@pytest.mark.parametrize("draws", ["sample", "top"])
 @pytest.mark.parametrize("kind", ["device", "host"])
-def test_sampled_tree_matches_the_targets_own_distribution(one_thread, monkeypatch, kind):
+def test_sampled_tree_matches_the_targets_own_distribution(one_thread, monkeypatch, kind, draws):
     """Real tiny target (8-token vocabulary, so the exact marginals of the 2nd and 3rd tokens can be
     enumerated), a drafter over 5 of those tokens, top-p that cuts a token: the empirical marginals
-    match, and a walk that always accepts the first child fails the same check."""
+    match, and a walk that always accepts the first child fails the same check. Both ways of drafting
+    at T > 0 (TreeSpec.draws)."""
     V = 8
     target = tiny_native(vocab=V)
     drafter = tiny_drafter(target, draft_vocab=5, seed=3)
@@ -630,7 +649,7 @@ def test_sampled_tree_matches_the_targets_own_distribution(one_thread, monkeypat
     exact2, exact3 = p1 @ p2, torch.einsum("a,ab,abc->c", p1, p2, p3)
 
     def marginals_tv(n):
-        gen, spec = torch.Generator().manual_seed(0), TreeSpec(3, 3, 6)
+        gen, spec = torch.Generator().manual_seed(0), TreeSpec(3, 3, 6, draws)
         counts = torch.zeros(2, V)
         for _ in range(n):
             tokens = tree_sampler(kind)(target, drafter, prompt, 3, spec, temp, top_p, generator=gen).tokens
@@ -639,7 +658,7 @@ def test_sampled_tree_matches_the_targets_own_distribution(one_thread, monkeypat
         return total_variation(counts[0] / n, exact2), total_variation(counts[1] / n, exact3)
 
     assert max(marginals_tv(300)) < 0.14  # sampling noise: mean 0.055, 0.13 at the 1e-4 quantile
-    wrong_walk(monkeypatch, kind)
+    wrong_walk(monkeypatch, kind, draws)
     assert marginals_tv(150)[0] > 0.3
 
 
@@ -654,7 +673,7 @@ def bigram_pair():
     return BigramTarget(p), BigramDrafter(q)
 
 
-def bigram_tv(n: int, kind: str = "device") -> tuple[float, float]:
+def bigram_tv(n: int, kind: str = "device", draws: str = "sample") -> tuple[float, float]:
     """TV distances of tokens 2-3 (jointly) and of token 2 from the exact target over n runs."""
     target, drafter = bigram_pair()
     p = probs(target.table, 1.0)
@@ -662,7 +681,7 @@ def bigram_tv(n: int, kind: str = "device") -> tuple[float, float]:
     gen, prompt = torch.Generator().manual_seed(0), torch.tensor([[3]])
     counts = torch.zeros(4, 4)
     for _ in range(n):
-        tokens = tree_sampler(kind)(target, drafter, prompt, 3, TreeSpec(2, 2, 2), 1.0, generator=gen).tokens
+        tokens = tree_sampler(kind)(target, drafter, prompt, 3, TreeSpec(2, 2, 2, draws), 1.0, generator=gen).tokens
         counts[tokens[1], tokens[2]] += 1
     return total_variation(counts / n, exact), total_variation(counts.sum(1) / n, exact.sum(1))
 
@@ -681,6 +700,38 @@ def test_sampled_tree_is_lossless_on_bigram_models(one_thread, monkeypatch, kind
         assert bigram_tv(300, kind)[1] > 0.25
     monkeypatch.setattr(decode, "children_sampled", scored_by_own_token(prefix=False))
     assert bigram_tv(300, kind)[1] > 0.12
+
+
+@pytest.mark.parametrize("kind", ["device", "host"])
+def test_the_greedy_tree_with_the_targets_own_draws_is_lossless_on_bigram_models(one_thread, monkeypatch, kind):
+    """TreeSpec.draws "top": the tree is drafted as at T=0 and the target draws its own token at every
+    node. The joint matches the exact one; always accepting the first child fails, and so does
+    accepting a child that is the target's argmax rather than its draw (greedy acceptance with sampled
+    bonus tokens, a tempting shortcut that favours the argmax)."""
+    import draftsmith.decode as decode
+
+    joint, first = bigram_tv(2000, kind, "top")
+    assert joint < 0.06 and first < 0.045  # as the sampled tree's bounds (same counts, same exact table)
+    with monkeypatch.context() as m:
+        wrong_walk(m, kind, "top")
+        assert bigram_tv(300, kind, "top")[1] > 0.2  # token 1 is always 0 then: 0.25 exactly
+    walk = decode.accept_tree_greedy if kind == "host" else decode.accept_on_device
+    last = {}  # the verify pass's distributions (the last probs() before the walk)
+
+    def greedy_then_draw(best, tree, *a):  # the argmax where a child has it, else the draw
+        argmax = last["p"].argmax(-1)
+        matched = torch.zeros_like(best, dtype=torch.bool)
+        for j in range(len(tree.parents)):
+            matched[int(tree.parents[j]) + 1] |= bool(tree.tokens[j] == argmax[int(tree.parents[j]) + 1])
+        return walk(torch.where(matched, argmax, best), tree, *a)
+    real_probs = decode.probs
+
+    def keep_probs(logits, *a, **kw):
+        last["p"] = real_probs(logits, *a, **kw)
+        return last["p"]
+    monkeypatch.setattr(decode, "probs", keep_probs)
+    monkeypatch.setattr(decode, walk.__name__, greedy_then_draw)
+    assert bigram_tv(300, kind, "top")[1] > 0.1
 
 
 @pytest.mark.parametrize("kind", ["device", "host"])
@@ -793,11 +844,13 @@ def test_captured_sampling_steps_decode_as_eager(one_thread, target):
     eos = ref[20]  # inside the second block of captured steps
     assert plain(graphs, eos_ids=(eos,)) == plain(None, eos_ids=(eos,)) == ref[: ref.index(eos) + 1]
     assert decode_plain(target, prompt, 40, graphs=graphs).tokens == decode_plain(target, prompt, 40).tokens
-    drafter, spec = tiny_drafter(target, draft_vocab=200), TreeSpec(3, 3, 6)
-    runs = [decode_tree_sampled(target, drafter, prompt, 30, spec, 0.8, 0.9, generator=torch.Generator().manual_seed(0),
-                                graphs=g) for g in (None, graphs)]
-    assert runs[0].tokens == runs[1].tokens and runs[0].accept_lengths == runs[1].accept_lengths
+    drafter = tiny_drafter(target, draft_vocab=200)
+    for draws in ("sample", "top"):
+        runs = [decode_tree_sampled(target, drafter, prompt, 30, TreeSpec(3, 3, 6, draws), 0.8, 0.9,
+                                    generator=torch.Generator().manual_seed(0), graphs=g) for g in (None, graphs)]
+        assert runs[0].tokens == runs[1].tokens and runs[0].accept_lengths == runs[1].accept_lengths
     assert {key[0] for key in graphs.entries} == {"plain_loop", "tree-draft", "tree-verify"}
+    assert {key[1].draws for key in graphs.entries if key[0] == "tree-verify"} == {"sample", "top"}
 
 
 @pytest.mark.gpu
@@ -832,10 +885,11 @@ def test_graphed_sampling_on_cuda_keeps_the_distribution():
 
     decode_plain(target, prompt, 4 * CHECK_EVERY + 1, graphs=graphs, temperature=0.8, top_p=0.9, generator=gen)  # capture
     assert syncs(4 * CHECK_EVERY + 1) - syncs(CHECK_EVERY + 1) <= 3  # 4 blocks of steps against 1
-    drafter, spec = tiny_drafter(target, draft_vocab=200).cuda(), TreeSpec(4, 5, 16)
-    runs = [decode_tree_sampled(target, drafter, prompt, 60, spec, 0.8, 0.9, generator=torch.Generator("cuda").manual_seed(0),
-                                graphs=g) for g in (None, graphs)]
-    assert runs[0].tokens == runs[1].tokens and runs[0].accept_lengths == runs[1].accept_lengths
+    drafter = tiny_drafter(target, draft_vocab=200).cuda()
+    for draws in ("sample", "top"):
+        runs = [decode_tree_sampled(target, drafter, prompt, 60, TreeSpec(4, 5, 16, draws), 0.8, 0.9,
+                                    generator=torch.Generator("cuda").manual_seed(0), graphs=g) for g in (None, graphs)]
+        assert runs[0].tokens == runs[1].tokens and runs[0].accept_lengths == runs[1].accept_lengths
     # the device-resident cycle ran under graphs (decode_tree's sampled draft and verify steps), not the host loop
     assert {key[0] for key in graphs.entries if "sampled" in key} == {"tree-draft", "tree-verify"}
 
