@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import json
+import re
 import sys
 import types
 import typing
@@ -31,7 +33,24 @@ STAGES = {
 }
 
 
-def add_field(parser: argparse.ArgumentParser, f: dataclasses.Field, hint):
+def field_comments(cls) -> dict[str, str]:
+    """The comment on each field's line of a config dataclass (and comment lines right after it),
+    which is what the flag does."""
+    comments, last = {}, None
+    for line in inspect.getsource(cls).splitlines():
+        m = re.match(r"\s+(\w+)\s*:[^#]*#\s*(.+)$", line)
+        more = re.match(r"\s+#\s*(.+)$", line)
+        if m and m.group(1) not in comments:
+            last = m.group(1)
+            comments[last] = m.group(2).strip()
+        elif more and last:
+            comments[last] += " " + more.group(1).strip()
+        else:
+            last = None
+    return comments
+
+
+def add_field(parser: argparse.ArgumentParser, f: dataclasses.Field, hint, comment: str = ""):
     flag = "--" + f.name.replace("_", "-")
     required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
     default = None if required else f.default
@@ -39,7 +58,8 @@ def add_field(parser: argparse.ArgumentParser, f: dataclasses.Field, hint):
     if typing.get_origin(hint) in (typing.Union, types.UnionType):  # X | None
         hint = next(a for a in args if a is not type(None))
         args = typing.get_args(hint)
-    kw = {"required": required, "default": default, "help": f"(default: {default})" if not required else "(required)"}
+    kw = {"required": required, "default": default,
+          "help": " ".join(filter(None, [comment, "(required)" if required else f"(default: {default})"]))}
     if hint is bool:
         parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
     elif typing.get_origin(hint) is tuple:
@@ -55,9 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="stage", required=True)
     for name, (cls, _, help_text) in STAGES.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        hints = typing.get_type_hints(cls)
+        hints, comments = typing.get_type_hints(cls), field_comments(cls)
         for f in dataclasses.fields(cls):
-            add_field(p, f, hints[f.name])
+            add_field(p, f, hints[f.name], comments.get(f.name, ""))
     return parser
 
 

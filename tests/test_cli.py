@@ -13,6 +13,17 @@ def test_every_stage_has_help(stage, capsys):
     assert "--" in capsys.readouterr().out
 
 
+def test_a_flags_help_is_its_config_fields_comment(capsys):
+    """The comment on a config field's line, with the comment lines that continue it, is its flag's help."""
+    for stage, flag, words in (("train", "--draft-intermediate-size", "MLP width; None: the target's (SGLang and vLLM"
+                                " read it from the exported config) (default: None)"),
+                               ("bench", "--tree-draws", "top | sample | auto")):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([stage, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert words in text.split(flag, 2)[2], (stage, flag)
+
+
 def test_flags_become_the_stage_config(tiny_target_dir, tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"question": "hi there"}) + "\n")
