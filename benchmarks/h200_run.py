@@ -263,20 +263,28 @@ def bench_smollm(a, res):
             u.tokens == c.tokens for u, c in zip(runs["tree_uncompiled_drafter"], runs["tree"]))
     sm["bf16_greedy_agreement_ge_99pct"] = all(sm[n]["greedy_agreement"] >= AGREEMENT_FLOOR for n in ("chain5", "tree"))
     dump(Path(a.out), "bench.json", res)
-    if a.t1:  # T=1: plain sampling vs lossless tree sampling, same engine
+    for temp in [float(t) for t in a.sampled_temps.split(",")] if a.t1 else []:
+        # plain sampling vs lossless tree sampling at temp, same engine: plain_t1 / tree_t1 at T=1, tree_t0.7_top
+        # etc. with several --sampled-draws (one tree section a way of drafting, TreeSpec.draws)
+        name = f"t{temp:g}"
         try:
             gen = torch.Generator(a.device).manual_seed(0)
+            ways = a.sampled_draws.split(",")
             for x in ids[:2]:  # graph capture outside the timing
-                decode_plain(model, x, 32, target.eos_ids, graphs, 1.0, 1.0, gen)
-                dec.decode_tree_sampled(model, drafter, x, 32, tree, 1.0, 1.0, target.eos_ids, gen, graphs)
-            plain1 = [decode_plain(model, x, a.max_new_bench, target.eos_ids, graphs, 1.0, 1.0, gen) for x in ids]
-            tree1 = [dec.decode_tree_sampled(model, drafter, x, a.max_new_bench, tree, 1.0, 1.0, target.eos_ids, gen, graphs)
-                     for x in ids]
-            sm["plain_t1"] = summary(plain1)
-            sm["tree_t1"] = summary(tree1)
-            sm["tree_t1"]["speedup"] = round(sm["tree_t1"]["tok_s"] / sm["plain_t1"]["tok_s"], 3)
+                decode_plain(model, x, 32, target.eos_ids, graphs, temp, 1.0, gen)
+                for draws in ways:
+                    dec.decode_tree_sampled(model, drafter, x, 32, dataclasses.replace(tree, draws=draws), temp, 1.0, target.eos_ids, gen, graphs)
+            sm[f"plain_{name}"] = summary([decode_plain(model, x, a.max_new_bench, target.eos_ids, graphs, temp, 1.0, gen)
+                                           for x in ids])
+            for draws in ways:
+                spec = dataclasses.replace(tree, draws=draws)
+                key = f"tree_{name}" + (f"_{draws}" if len(ways) > 1 else "")
+                sm[key] = summary([dec.decode_tree_sampled(model, drafter, x, a.max_new_bench, spec, temp, 1.0, target.eos_ids,
+                                                           gen, graphs) for x in ids])
+                sm[key]["draws"] = spec.draws_at(temp)
+                sm[key]["speedup"] = round(sm[key]["tok_s"] / sm[f"plain_{name}"]["tok_s"], 3)
         except Exception as e:  # noqa: BLE001
-            sm["tree_t1_error"] = repr(e)[:500]
+            sm[f"tree_{name}_error"] = repr(e)[:500]
         dump(Path(a.out), "bench.json", res)
     try:  # HF transformers generate, bf16, batch 1, on the same folder
         if not a.hf:
@@ -701,7 +709,11 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("phase", choices=["train", "bench", "both", "engine", "ttt"])
     ap.add_argument("--tag", default="")
-    ap.add_argument("--t1", action=argparse.BooleanOptionalAction, default=True, help="bench: also T=1 plain vs tree sampling")
+    ap.add_argument("--t1", action=argparse.BooleanOptionalAction, default=True, help="bench: also plain vs tree sampling"
+                    " at --sampled-temps")
+    ap.add_argument("--sampled-temps", default="1", help="bench: temperatures of the sampled runs, comma-separated")
+    ap.add_argument("--sampled-draws", default="auto", help="bench: TreeSpec.draws of the sampled trees, comma-separated"
+                    " (top,sample: both, a section each)")
     ap.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True, help="bench: also HF generate")
     ap.add_argument("--drafter", help="bench: an exported drafter folder instead of this run's training output")
     ap.add_argument("--variants", default=",".join(ENGINE_VARIANTS), help="engine, and bench's 8B shape: which engine"
