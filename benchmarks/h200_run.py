@@ -118,7 +118,7 @@ def phase_train(a):
                compile_loss=a.compile_loss)
     if a.attn_impl == "probe":  # decide the TTT attention by measurement: the faster step wins
         probes = {}
-        for impl in ("eager", "flex"):
+        for impl in ("eager", "flex", "split"):
             try:
                 probes[impl] = probe_step_s({**cfg, "attn_impl": impl}, impl)
             except Exception as e:  # noqa: BLE001 - a path that fails here is simply not chosen
@@ -571,6 +571,7 @@ def bench_smollm2_shape(a, res):
 
 TTT_PATHS = {  # section -> ttt_loss options: what training runs on CUDA now, and the paths it replaced
     "train_8b": {},  # target log-probs once per pack, compiled KL, TTT attention "auto" (compiled flex on CUDA)
+    "train_8b_split": {"attn_impl": "split"},  # flex over step 0's keys, the later steps' own keys merged in
     "train_8b_eager": {"attn_impl": "eager"},  # materialised attention (train_8b_flex before flex was the default)
     "train_8b_old": {"attn_impl": "eager", "target_cache_mb": 0, "compile_loss": False},  # as before this session
 }
@@ -767,7 +768,8 @@ def main():
                     " train.json's train_profile")
     ap.add_argument("--ttt-paths", default=",".join(TTT_PATHS), help="ttt, and bench with the 8B shape: which of TTT_PATHS"
                     " to time (train_8b alone gives train_mfu_8b)")
-    ap.add_argument("--attn-impl", default="auto", help="train: TTT attention (auto | eager | flex | probe: time both, train with the faster)")
+    ap.add_argument("--attn-impl", default="auto", help="train: TTT attention (auto | eager | flex | split | probe: time"
+                    " each, train with the fastest)")
     ap.add_argument("--compile-loss", action=argparse.BooleanOptionalAction, default=None, help="train: compiled KL (default: on CUDA)")
     ap.add_argument("--ttt-rows", type=int, default=1, help="rows of 2048 tokens in the 8B-shape training step")
     ap.add_argument("--vocab", type=int, default=32000)

@@ -2,7 +2,8 @@
 (run 7's profile, train.json train_profile) while its backward took 25 ms: time one TTT depth's attention
 (forward, and forward + backward) at the training shape, step by step (keys of 1..depth steps), for
 variants that each change one thing: static vs dynamic compilation, packed segments vs one segment per
-row, and the materialised (eager) path. Writes $OUT/ttt_attention_bench.json.
+row, the materialised (eager) path, and "split" (flex over step 0's keys with one block mask a pack, the
+later steps' own keys merged in by log-sum-exp). Writes $OUT/ttt_attention_bench.json.
 
     python benchmarks/ttt_attention_bench.py --out $OUT
 """
@@ -68,6 +69,7 @@ def main():
     vs = [torch.randn(B, kv, T, Dh, device=dev, dtype=dtype, generator=g, requires_grad=True) for _ in range(a.depth)]
     variants = {
         "flex_dynamic_packed": (torch.compile(flex_attention, dynamic=True), True),
+        "split_dynamic_packed": ("split", True),  # what attn_impl="split" runs: flex over K0, the rest merged in
         "flex_static_packed": (torch.compile(flex_attention, dynamic=False), True),
         "flex_dynamic_one_segment": (torch.compile(flex_attention, dynamic=True), False),
         "eager_packed": (None, True),
@@ -77,7 +79,11 @@ def main():
         rep = h // kv
         allowed = (torch.ones(T, T, dtype=torch.bool, device=dev).tril()[None] & (seg[:, :, None] == seg[:, None, :]))[:, None]
 
+        base = D.broadcast_block_mask(D.ttt_mask_mod(seg, T), B, T, T, dev) if fn == "split" else None
+
         def attend(j):
+            if fn == "split":
+                return D.ttt_attention_split(q, ks[: j + 1], vs[: j + 1], base)
             if fn is None:
                 return D.ttt_attention_eager(q, [k.repeat_interleave(rep, 1) for k in ks[: j + 1]],
                                              [v.repeat_interleave(rep, 1) for v in vs[: j + 1]], allowed)

@@ -215,20 +215,25 @@ class Eagle3Drafter(nn.Module):
         pre-norm outputs (B, T, H); output j at row t predicts the target's distribution z[t+1+j].
         segment_ids (B, T) keep packed sequences from attending to each other; position_ids (B, T)
         restart per sequence. attn_impl: "eager" materialises the (B, heads, T, T) scores, "flex"
-        runs flex_attention (compiled on CUDA; no (T, T) scores in memory). "auto" is flex on CUDA,
+        runs flex_attention (compiled on CUDA; no (T, T) scores in memory), "split" runs flex over
+        step 0's keys only and merges the later steps' own keys in (ttt_attention_split; not yet timed
+        on a GPU, so not the default). "auto" is flex on CUDA,
         eager elsewhere (flex has no CPU backward): on the H200 flex is the faster, 0.204 vs 0.287 s a
         SmolLM2 training step, 103 ms at the 8B shape against eager's 137 ms (train_8b_flex_b51b699
         and train_8b in benchmarks/results/h200-pipeline.json), with its gradients checked against
         eager's there (tests/test_draft.py, -m gpu)."""
-        if attn_impl not in ("auto", "eager", "flex"):
-            raise ValueError(f"attn_impl must be 'auto', 'eager' or 'flex', not {attn_impl!r}")
-        flex = attn_impl == "flex" or (attn_impl == "auto" and input_ids.is_cuda)
+        if attn_impl not in TTT_ATTENTION:
+            raise ValueError(f"attn_impl must be one of {', '.join(map(repr, TTT_ATTENTION))}, not {attn_impl!r}")
+        split = attn_impl == "split"
+        flex = split or attn_impl == "flex" or (attn_impl == "auto" and input_ids.is_cuda)
         B, T = input_ids.shape
         attn = self.midlayer.self_attn
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
         if flex:
             segments = segment_ids if segment_ids is not None else torch.zeros_like(input_ids)
+            if split:  # step 0's keys under the causal, same-segment mask: one block mask for every step
+                base = broadcast_block_mask(ttt_mask_mod(segments, T), B, T, T, input_ids.device)
         else:
             allowed = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()[None]  # (1, T, T)
             if segment_ids is not None:
@@ -246,7 +251,7 @@ class Eagle3Drafter(nn.Module):
                 q, k = q.to(v.dtype), k.to(v.dtype)  # autocast leaves q, k in fp32 after the fp32 rotation
                 ks.append(k)
                 vs.append(v)
-                y = ttt_attention_flex(q, ks, vs, segments)
+                y = ttt_attention_split(q, ks, vs, base) if split else ttt_attention_flex(q, ks, vs, segments)
             else:
                 ks.append(k.repeat_interleave(rep, 1))
                 vs.append(v.repeat_interleave(rep, 1))
@@ -272,6 +277,9 @@ def ttt_attention_eager(q, ks, vs, allowed):
     return y  # (B, h, T, D)
 
 
+TTT_ATTENTION = ("auto", "eager", "flex", "split")
+
+
 @functools.cache
 def compiled_flex_attention():
     """flex_attention is fused (no (T, T) scores in memory) only when compiled. Compiled once, with
@@ -288,14 +296,41 @@ def ttt_attention_flex(q, ks, vs, segment_ids):
     B, T = segment_ids.shape
     k, v = torch.cat(ks, dim=2), torch.cat(vs, dim=2)
     mask = broadcast_block_mask(ttt_mask_mod(segment_ids, k.shape[2]), B, T, k.shape[2], q.device)
-    if not q.is_cuda:  # unfused: materialises the scores, and torch has no CPU backward for it; for tests
-        return flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
+    return run_flex(q, k, v, mask)
+
+
+def run_flex(q, k, v, mask: BlockMask, return_lse: bool = False):
+    """flex_attention with grouped-query heads, compiled on CUDA. On the CPU it runs unfused (it
+    materialises the scores, and torch has no CPU backward for it): for tests."""
+    if not q.is_cuda:
+        return flex_attention(q, k, v, block_mask=mask, enable_gqa=True, return_lse=return_lse)
     flex = compiled_flex_attention()
     # recompile_limit: room for the specialisations above (the default, 8, is close), past which torch would
     # silently run the unfused path; autocast off: q, k, v share one dtype already, and compiled flex
     # backward has been reported to fail under autocast
     with torch._dynamo.config.patch(recompile_limit=32), torch.autocast("cuda", enabled=False):
-        return flex(q, k, v, block_mask=mask, enable_gqa=True)
+        return flex(q, k, v, block_mask=mask, enable_gqa=True, return_lse=return_lse)
+
+
+def ttt_attention_split(q, ks, vs, mask: BlockMask):
+    """ttt_attention_flex by parts: flex over step 0's keys alone (`mask`: causal within a segment, the
+    same for every step, so built once a pack) returns its output o0 and log-sum-exp; the later steps'
+    keys (one per row, its own) are scored elementwise, and the parts are merged by their softmax mass:
+    y = (e^lse0 o0 + sum_i e^s_i v_i) / (e^lse0 + sum_i e^s_i), gradients flowing through lse0 too. No
+    (B, kv, (j+1)T) key concatenation, and no block tiles that hold a diagonal and nothing else."""
+    if len(ks) == 1:
+        return run_flex(q, ks[0], vs[0], mask)
+    B, h, T, D = q.shape
+    kv, j = ks[0].shape[1], len(ks) - 1
+    o0, lse0 = run_flex(q, ks[0], vs[0], mask, return_lse=True)  # (B, h, T, D), (B, h, T) fp32
+    qg = q.float().view(B, kv, h // kv, T, D)  # query heads grouped under their kv head
+    kd, vd = torch.stack(ks[1:], 2).float(), torch.stack(vs[1:], 2).float()  # (B, kv, j, T, D)
+    s = torch.einsum("bgrtd,bgjtd->bgrjt", qg, kd).reshape(B, h, j, T) * D**-0.5  # row t's own key of each step
+    m = torch.maximum(lse0, s.amax(2))  # (B, h, T)
+    w0, w = (lse0 - m).exp(), (s - m[:, :, None]).exp()  # (B, h, T), (B, h, j, T)
+    extra = torch.einsum("bgrjt,bgjtd->bgrtd", w.view(B, kv, h // kv, j, T), vd).reshape(B, h, T, D)
+    y = (w0[..., None] * o0.float() + extra) / (w0 + w.sum(2))[..., None]
+    return y.to(q.dtype)
 
 
 def ttt_mask_mod(segment_ids, kv_len):

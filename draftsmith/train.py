@@ -56,7 +56,7 @@ from torch.utils.checkpoint import checkpoint
 
 from draftsmith.common import Progress, dtype_of, write_config
 from draftsmith.data import encode_conversation, prompt_of
-from draftsmith.draft import DraftConfig, Eagle3Drafter
+from draftsmith.draft import TTT_ATTENTION, DraftConfig, Eagle3Drafter
 from draftsmith.export import load_any, save_trained
 from draftsmith.extract import HiddenStates, read_conversations
 from draftsmith.parallel import (World, barrier, close, full_optimizer_state, full_state_dict, gather, init_world,
@@ -91,8 +91,9 @@ class TrainConfig:
     # checkpointed chunks of this many (no (tokens, Vd) logits over the whole pack); 0: never chunk
     target_cache_mb: int = 4096  # the target's draft-vocab log-probs of a pack (fp32, scored rows x Vd) are computed
     # once and kept when they fit in this; beyond, each step's chunks recompute theirs; 0: never kept
-    attn_impl: str = "auto"  # TTT attention: "flex" (compiled on CUDA), "eager" (materialised scores); auto: flex on
-    # CUDA (faster on the H200: 0.204 vs 0.287 s a SmolLM2 step, MFU 0.437 vs 0.326 at the 8B shape), eager elsewhere
+    attn_impl: str = "auto"  # TTT attention: "flex" (compiled on CUDA), "eager" (materialised scores), "split" (flex over
+    # step 0's keys, the later steps' own keys merged in; untimed); auto: flex on CUDA (faster on the H200: 0.204 vs
+    # 0.287 s a SmolLM2 step, MFU 0.437 vs 0.326 at the 8B shape), eager elsewhere
     compile_loss: bool | None = None  # the per-chunk KL through torch.compile; None: on CUDA
     parallel: str = "ddp"  # under torchrun: "ddp" or "fsdp" (FSDP2 fully_shard)
     eval_fraction: float = 0.05
@@ -121,8 +122,8 @@ class TrainConfig:
             raise ValueError("need grad_accum >= 1 and parallel in ('ddp', 'fsdp')")
         if self.rows_per_pack < 1 or self.loss_chunk_tokens < 0 or self.target_cache_mb < 0:
             raise ValueError("need rows_per_pack >= 1, loss_chunk_tokens >= 0 and target_cache_mb >= 0")
-        if self.attn_impl not in ("auto", "eager", "flex"):
-            raise ValueError(f"attn_impl must be 'auto', 'eager' or 'flex', not {self.attn_impl!r}")
+        if self.attn_impl not in TTT_ATTENTION:
+            raise ValueError(f"attn_impl must be one of {', '.join(map(repr, TTT_ATTENTION))}, not {self.attn_impl!r}")
 
 
 @dataclass

@@ -95,10 +95,12 @@ def ttt_outputs_and_grads(drafter, ids, aux, depth, attn_impl, **packing):
 
 
 @pytest.mark.filterwarnings("ignore:.*flex_attention called without torch.compile")
-def test_flex_ttt_attention_matches_eager(flex_backward_on_cpu):
-    """flex_attention over [K0; K1; ...; Kj] gives the outputs of every step and the gradients of every
-    weight of the materialised path: packed rows (segments, restarting positions, a padding segment),
-    T not a multiple of flex's 128-row blocks, grouped-query heads, 4 steps."""
+@pytest.mark.parametrize("impl", ["flex", "split"])
+def test_flex_ttt_attention_matches_eager(flex_backward_on_cpu, impl):
+    """flex_attention over [K0; K1; ...; Kj] ("flex"), or over K0 merged with the later steps' own keys by
+    log-sum-exp ("split"), gives the outputs of every step and the gradients of every weight of the
+    materialised path: packed rows (segments, restarting positions, a padding segment), T not a
+    multiple of flex's 128-row blocks, grouped-query heads, 4 steps."""
     target = tiny_native()
     assert target.args.num_heads != target.args.num_kv_heads
     drafter = tiny_drafter(target, draft_vocab=100)
@@ -113,12 +115,12 @@ def test_flex_ttt_attention_matches_eager(flex_backward_on_cpu):
             seg[b, s:s + n], pos[b, s:s + n] = i, torch.arange(n)
     packing = dict(position_ids=pos, segment_ids=seg)
     for kw in (packing, {}):
-        assert_flex_matches_eager(drafter, ids, aux, depth, **kw)
+        assert_flex_matches_eager(drafter, ids, aux, depth, impl, **kw)
 
 
-def assert_flex_matches_eager(drafter, ids, aux, depth, **packing):
+def assert_flex_matches_eager(drafter, ids, aux, depth, impl="flex", **packing):
     eager, grads_eager = ttt_outputs_and_grads(drafter, ids, aux, depth, "eager", **packing)
-    flex, grads_flex = ttt_outputs_and_grads(drafter, ids, aux, depth, "flex", **packing)
+    flex, grads_flex = ttt_outputs_and_grads(drafter, ids, aux, depth, impl, **packing)
     assert len(flex) == depth
     for a, b in zip(eager, flex):
         assert (a - b).abs().max() <= 1e-5 * a.abs().max()
@@ -129,10 +131,12 @@ def assert_flex_matches_eager(drafter, ids, aux, depth, **packing):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled flex kernel needs a CUDA device")
-def test_compiled_flex_ttt_matches_eager_and_compiles_once_for_all_lengths():
+@pytest.mark.parametrize("impl", ["flex", "split"])
+def test_compiled_flex_ttt_matches_eager_and_compiles_once_for_all_lengths(impl):
     """What training runs on CUDA: the compiled flex kernel gives the outputs and gradients of the
     materialised path (fp32), and once two lengths have been seen, packs of other lengths T (not
-    multiples of 128) compile nothing more: dynamic shapes, not one compile per pack."""
+    multiples of 128) compile nothing more: dynamic shapes, not one compile per pack. "split" needs
+    the compiled kernel's gradient through its log-sum-exp."""
     from torch._dynamo.utils import counters
     drafter = tiny_drafter(tiny_native(), draft_vocab=100).cuda()
 
@@ -141,7 +145,7 @@ def test_compiled_flex_ttt_matches_eager_and_compiles_once_for_all_lengths():
         ids, aux = torch.randint(0, 320, (2, T), device="cuda"), torch.randn(2, T, 192, device="cuda")
         cut = torch.arange(T, device="cuda") >= T // 3  # two packed samples per row
         seg, pos = cut.long().expand(2, T), torch.where(cut, torch.arange(T, device="cuda") - T // 3, torch.arange(T, device="cuda"))
-        assert_flex_matches_eager(drafter, ids, aux, 3, position_ids=pos.expand(2, T), segment_ids=seg)
+        assert_flex_matches_eager(drafter, ids, aux, 3, impl, position_ids=pos.expand(2, T), segment_ids=seg)
 
     check(200)
     check(333)
