@@ -79,7 +79,7 @@ def main():
         rep = h // kv
         allowed = (torch.ones(T, T, dtype=torch.bool, device=dev).tril()[None] & (seg[:, :, None] == seg[:, None, :]))[:, None]
 
-        base = D.broadcast_block_mask(D.ttt_mask_mod(seg, T), B, T, T, dev) if fn == "split" else None
+        base = D.broadcast_block_mask(D.causal_segment_mask_mod(seg), B, T, T, dev) if fn == "split" else None
 
         def attend(j):
             if fn == "split":

@@ -233,7 +233,7 @@ class Eagle3Drafter(nn.Module):
         if flex:
             segments = segment_ids if segment_ids is not None else torch.zeros_like(input_ids)
             if split:  # step 0's keys under the causal, same-segment mask: one block mask for every step
-                base = broadcast_block_mask(ttt_mask_mod(segments, T), B, T, T, input_ids.device)
+                base = broadcast_block_mask(causal_segment_mask_mod(segments), B, T, T, input_ids.device)
         else:
             allowed = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()[None]  # (1, T, T)
             if segment_ids is not None:
@@ -344,6 +344,14 @@ def ttt_mask_mod(segment_ids, kv_len):
     def mask_mod(b, h, qi, ki):
         r = row[ki]
         return (r == qi) | (first[ki] & (r < qi) & (segment_ids[b, qi] == segment_ids[b, r]))
+    return mask_mod
+
+
+def causal_segment_mask_mod(segment_ids):
+    """mask_mod of ttt_attention_split's step 0: key ki is visible from query qi if ki <= qi in qi's segment
+    (ttt_mask_mod over step 0's keys alone, with fewer captured-tensor reads a score)."""
+    def mask_mod(b, h, qi, ki):
+        return (ki <= qi) & (segment_ids[b, qi] == segment_ids[b, ki])
     return mask_mod
 
 
