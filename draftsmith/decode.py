@@ -2,10 +2,10 @@
 
 Reads top to bottom: sample -> generate_batch (many prompts, for regenerating training data)
 -> prefill -> decode_plain -> draft_chain -> verify -> decode_chain -> (lossless sampling)
--> draft_tree -> verify_tree -> decode_tree_sampled (host-driven trees) -> draft_greedy ->
-verify_greedy -> decode_tree (EAGLE-2 style at temperature 0, resident on the device: top-k
-expansion, rerank by cumulative draft probability, verify the best N nodes in one target pass
-under a tree attention mask).
+-> draft_tree -> verify_tree -> decode_tree_sampled -> tree_loop (host-driven trees) -> draft_greedy
+-> verify_greedy, verify_sampled, verify_top (one verify_cycle each) -> draft_sampled -> decode_tree
+(EAGLE-2 style trees resident on the device: top-k expansion, rerank by cumulative draft
+probability, verify the best N nodes in one target pass under a tree attention mask).
 Both paths run the same target forward (static KV cache, explicit slots), so a speed
 comparison between them measures speculation and nothing else, and at temperature 0 the
 speculative output must equal the plain output token for token.
@@ -1004,8 +1004,9 @@ def decode_tree(model: Transformer, drafter: Eagle3Drafter, prompt: torch.Tensor
                 eos_ids=(), graphs: Graphs | None = None, temperature: float = 0.0, top_p: float = 1.0,
                 generator=None) -> Generation:
     """EAGLE-2 style tree speculation, resident on the device. A cycle is two fixed-shape steps,
-    draft_greedy then verify_greedy (draft_sampled and verify_sampled at temperature > 0, with the
-    uniforms they use drawn from `generator` just before; CUDA graphs when `graphs` is enabled), and one
+    draft_greedy then verify_greedy (at temperature > 0 draft_greedy then verify_top, or draft_sampled
+    then verify_sampled, by spec.draws_at(temperature), with the uniforms they use drawn from
+    `generator` just before; CUDA graphs when `graphs` is enabled), and one
     host read of the accepted tokens: the cycle's only sync. The read is a copy queued behind the
     verify step, and the next cycle's draft (which needs only the verify step's device outputs) is
     queued before the host waits for it, so the device drafts while the host handles the tokens; a
