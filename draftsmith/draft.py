@@ -323,13 +323,14 @@ def ttt_attention_split(q, ks, vs, mask: BlockMask):
     B, h, T, D = q.shape
     kv, j = ks[0].shape[1], len(ks) - 1
     o0, lse0 = run_flex(q, ks[0], vs[0], mask, return_lse=True)  # (B, h, T, D), (B, h, T) fp32
-    qg = q.float().view(B, kv, h // kv, T, D)  # query heads grouped under their kv head
-    kd, vd = torch.stack(ks[1:], 2).float(), torch.stack(vs[1:], 2).float()  # (B, kv, j, T, D)
-    s = torch.einsum("bgrtd,bgjtd->bgrjt", qg, kd).reshape(B, h, j, T) * D**-0.5  # row t's own key of each step
-    m = torch.maximum(lse0, s.amax(2))  # (B, h, T)
-    w0, w = (lse0 - m).exp(), (s - m[:, :, None]).exp()  # (B, h, T), (B, h, j, T)
-    extra = torch.einsum("bgrjt,bgjtd->bgrtd", w.view(B, kv, h // kv, j, T), vd).reshape(B, h, T, D)
-    y = (w0[..., None] * o0.float() + extra) / (w0 + w.sum(2))[..., None]
+    with torch.autocast(q.device.type, enabled=False):  # fp32 scores and sums, as inside the flex kernel
+        qg = q.float().view(B, kv, h // kv, T, D)  # query heads grouped under their kv head
+        kd, vd = torch.stack(ks[1:], 2).float(), torch.stack(vs[1:], 2).float()  # (B, kv, j, T, D)
+        s = torch.einsum("bgrtd,bgjtd->bgrjt", qg, kd).reshape(B, h, j, T) * D**-0.5  # row t's own key of each step
+        m = torch.maximum(lse0, s.amax(2))  # (B, h, T)
+        w0, w = (lse0 - m).exp(), (s - m[:, :, None]).exp()  # (B, h, T), (B, h, j, T)
+        extra = torch.einsum("bgrjt,bgjtd->bgrtd", w.view(B, kv, h // kv, j, T), vd).reshape(B, h, T, D)
+        y = (w0[..., None] * o0.float() + extra) / (w0 + w.sum(2))[..., None]
     return y.to(q.dtype)
 
 
