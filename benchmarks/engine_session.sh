@@ -5,10 +5,14 @@
 #   2. tree_cycle.py: the SmolLM2 shape's target pass by rows, plain decoding, the host chain and the
 #      device-resident tree cycle, engine variant by engine variant       -> OUT/tree-cycle.json
 #   3. h200_run.py engine: the Llama-3.1-8B shape's Tuning sweep          -> OUT/engine.json
+#   4. (issue 4, last so that a short session cuts it first; TTT=0 skips it) the GPU tests of the
+#      drafter's TTT attention (flex and split against eager)           -> OUT/pytest-gpu-draft.txt
+#      and ttt_attention_bench.py (flex vs split at the training shape)  -> OUT/ttt_attention_bench.json
 # Run it detached and fetch as it goes (device_bg.sh), e.g. in the first call:
 #   bash benchmarks/device_bg.sh start bash benchmarks/engine_session.sh /tmp/pipe/out
 # then in later calls:  bash benchmarks/device_bg.sh wait 540 /tmp/pipe/out/done
-#                       bash benchmarks/device_bg.sh fetch pytest-gpu.txt tree-cycle.json engine.json steps.txt
+#                       bash benchmarks/device_bg.sh fetch pytest-gpu.txt tree-cycle.json engine.json steps.txt \
+#                         pytest-gpu-draft.txt ttt_attention_bench.json
 # usage: bash benchmarks/engine_session.sh OUT [VARIANTS] [SWEEP]
 set -uo pipefail
 out=${1:?usage: engine_session.sh OUT [VARIANTS] [SWEEP]}
@@ -29,4 +33,8 @@ step pytest-gpu 420 bash -c "set -o pipefail; python3 -m pytest -q -m gpu tests/
 step tree-cycle 720 python3 benchmarks/tree_cycle.py --variants "$variants" --out "$out/tree-cycle.json"
 step engine-8b 600 python3 benchmarks/h200_run.py engine --sections llama8b_shape --variants compiled,triton,triton_sweep \
   --sweep "$sweep" --rows 1,8,49 --out "$out"
+if [ "${TTT:-1}" != 0 ]; then
+  step pytest-gpu-draft 240 bash -c "set -o pipefail; python3 -m pytest -q -m gpu tests/test_draft.py -rs 2>&1 | tee '$out/pytest-gpu-draft.txt'"
+  step ttt-attention 300 python3 benchmarks/ttt_attention_bench.py --out "$out"
+fi
 touch "$out/done"
