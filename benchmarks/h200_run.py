@@ -264,24 +264,23 @@ def bench_smollm(a, res):
     sm["bf16_greedy_agreement_ge_99pct"] = all(sm[n]["greedy_agreement"] >= AGREEMENT_FLOOR for n in ("chain5", "tree"))
     dump(Path(a.out), "bench.json", res)
     for temp in [float(t) for t in a.sampled_temps.split(",")] if a.t1 else []:
-        # plain sampling vs lossless tree sampling at temp, same engine: plain_t1 / tree_t1 at T=1, tree_t0.7_top
-        # etc. with several --sampled-draws (one tree section a way of drafting, TreeSpec.draws)
+        # plain sampling vs lossless tree sampling at temp, same engine: plain_t1 / tree_t1 at T=1; with several
+        # --sampled-trees a section each (tree_t0.7_top, tree_t1_16x6x48_sample, ...)
         name = f"t{temp:g}"
         try:
             gen = torch.Generator(a.device).manual_seed(0)
-            ways = a.sampled_draws.split(",")
+            specs = sampled_trees(a.sampled_trees, tree)
             for x in ids[:2]:  # graph capture outside the timing
                 decode_plain(model, x, 32, target.eos_ids, graphs, temp, 1.0, gen)
-                for draws in ways:
-                    dec.decode_tree_sampled(model, drafter, x, 32, dataclasses.replace(tree, draws=draws), temp, 1.0, target.eos_ids, gen, graphs)
+                for spec in specs.values():
+                    dec.decode_tree_sampled(model, drafter, x, 32, spec, temp, 1.0, target.eos_ids, gen, graphs)
             sm[f"plain_{name}"] = summary([decode_plain(model, x, a.max_new_bench, target.eos_ids, graphs, temp, 1.0, gen)
                                            for x in ids])
-            for draws in ways:
-                spec = dataclasses.replace(tree, draws=draws)
-                key = f"tree_{name}" + (f"_{draws}" if len(ways) > 1 else "")
+            for entry, spec in specs.items():
+                key = f"tree_{name}" + (f"_{entry.replace(':', '_')}" if len(specs) > 1 else "")
                 sm[key] = summary([dec.decode_tree_sampled(model, drafter, x, a.max_new_bench, spec, temp, 1.0, target.eos_ids,
                                                            gen, graphs) for x in ids])
-                sm[key]["draws"] = spec.draws_at(temp)
+                sm[key].update(tree=f"{spec.topk}x{spec.steps}x{spec.num_draft_tokens}", draws=spec.draws_at(temp))
                 sm[key]["speedup"] = round(sm[key]["tok_s"] / sm[f"plain_{name}"]["tok_s"], 3)
         except Exception as e:  # noqa: BLE001
             sm[f"tree_{name}_error"] = repr(e)[:500]
@@ -529,6 +528,17 @@ def hf_speed(args: ModelArgs, x) -> float:
     return round(32 / s, 2)
 
 
+def sampled_trees(text: str, tree: TreeSpec) -> dict:
+    """--sampled-trees: comma-separated entries, each a TreeSpec.draws ("auto": the bench's tree, drafted
+    by draws), a shape "KxDxN" (auto draws) or both, "KxDxN:draws" -> {entry: TreeSpec}."""
+    specs = {}
+    for entry in text.split(","):
+        shape, _, draws = entry.partition(":") if "x" in entry else ("", "", entry)
+        spec = TreeSpec(*(int(v) for v in shape.split("x"))) if shape else tree
+        specs[entry] = dataclasses.replace(spec, draws=draws or "auto")
+    return specs
+
+
 def bench_8b(a, res):
     bw = copy_bandwidth()
     model = random_model(LLAMA8B)
@@ -713,8 +723,8 @@ def main():
     ap.add_argument("--t1", action=argparse.BooleanOptionalAction, default=True, help="bench: also plain vs tree sampling"
                     " at --sampled-temps")
     ap.add_argument("--sampled-temps", default="1", help="bench: temperatures of the sampled runs, comma-separated")
-    ap.add_argument("--sampled-draws", default="auto", help="bench: TreeSpec.draws of the sampled trees, comma-separated"
-                    " (top,sample: both, a section each)")
+    ap.add_argument("--sampled-trees", default="auto", help="bench: the sampled trees, comma-separated, each a"
+                    " TreeSpec.draws for the bench's tree (top,sample: both), a shape KxDxN or KxDxN:draws; a section each")
     ap.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True, help="bench: also HF generate")
     ap.add_argument("--drafter", help="bench: an exported drafter folder instead of this run's training output")
     ap.add_argument("--variants", default=",".join(ENGINE_VARIANTS), help="engine, and bench's 8B shape: which engine"

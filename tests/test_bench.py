@@ -104,3 +104,23 @@ def test_the_device_jobs_default_sweep_and_variants_are_ones_the_scripts_take():
     assert len([Tuning(**dict(zip(grid, values))) for values in itertools.product(*grid.values())]) >= 16
     with pytest.raises(SystemExit, match="kernels.Tuning field"):
         h200.parse_sweep("bk_max=256;no_such_field=1")
+
+
+def test_the_device_benchs_sampled_trees_parse_into_tree_specs():
+    """h200_run.py bench --sampled-trees: a way of drafting for the bench's own tree, a shape, or both;
+    an unknown way is refused by TreeSpec before any GPU time."""
+    import importlib.util
+    from pathlib import Path
+
+    from draftsmith.decode import TreeSpec
+
+    spec = importlib.util.spec_from_file_location("h200_run", Path(__file__).parents[1] / "benchmarks" / "h200_run.py")
+    h200 = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(h200)
+    tree = TreeSpec(8, 6, 48)
+    got = h200.sampled_trees("top,sample,16x6x48:sample,16x4x48", tree)
+    assert got == {"top": TreeSpec(8, 6, 48, "top"), "sample": TreeSpec(8, 6, 48, "sample"),
+                   "16x6x48:sample": TreeSpec(16, 6, 48, "sample"), "16x4x48": TreeSpec(16, 4, 48, "auto")}
+    assert h200.sampled_trees("auto", tree) == {"auto": tree}
+    with pytest.raises(ValueError, match="draws"):
+        h200.sampled_trees("16x6x48:greedy", tree)
