@@ -124,6 +124,9 @@ class TrainConfig:
             raise ValueError("need rows_per_pack >= 1, loss_chunk_tokens >= 0 and target_cache_mb >= 0")
         if self.attn_impl not in TTT_ATTENTION:
             raise ValueError(f"attn_impl must be one of {', '.join(map(repr, TTT_ATTENTION))}, not {self.attn_impl!r}")
+        if self.attn_impl in ("flex", "split") and not self.device.startswith("cuda"):
+            raise ValueError(f"attn_impl {self.attn_impl!r} needs CUDA (torch has no flex_attention backward on the "
+                             f"{self.device}): use --attn-impl auto or eager there")
 
 
 @dataclass

@@ -332,3 +332,12 @@ def test_the_default_learning_rate_depends_on_where_training_starts(tiny_target_
     assert lrs == [1e-3, 1e-4]
     first = [json.loads(l) for l in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines() if '"step"' in l][0]
     assert 0 < first["lr"] <= 1e-3  # the warmup's first step of a 1e-3 schedule
+
+
+@pytest.mark.parametrize("impl", ["flex", "split"])
+def test_flex_attention_on_the_cpu_is_refused_up_front(impl):
+    """torch has no flex_attention backward on the CPU: the config says so and names the fix instead of
+    training failing at its first backward."""
+    with pytest.raises(ValueError, match="needs CUDA.*--attn-impl auto or eager"):
+        TrainConfig(target="t", data="d", out="o", attn_impl=impl)
+    assert TrainConfig(target="t", data="d", out="o", attn_impl=impl, device="cuda").attn_impl == impl
