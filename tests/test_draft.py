@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.nn.attention.flex_attention as flex_module
 
-from draftsmith.draft import DraftConfig, Eagle3Drafter, broadcast_block_mask, ttt_mask_mod
+from draftsmith.draft import DraftConfig, Eagle3Drafter, broadcast_block_mask, causal_segment_mask_mod, ttt_mask_mod
 
 from helpers import tiny_drafter, tiny_native
 
@@ -165,13 +165,15 @@ def test_ttt_attention_impl_is_checked():
 def test_broadcast_block_mask_equals_create_block_mask(T):
     """The block mask built from tensor ops is create_block_mask's, tensor for tensor and contiguous (partial and full
     tiles, both directions): T below, at and not a multiple of the 128-row tiles, packed rows with a
-    padding segment (-1), an unpacked row (full tiles), every step j of a depth-4 TTT."""
+    padding segment (-1), an unpacked row (full tiles), every step j of a depth-4 TTT, and the "split"
+    attention's step-0 mask."""
     seg = torch.full((2, T), -1)
     seg[0, :T // 3], seg[0, T // 3:T - 7] = 0, 1  # row 0: two samples, 7 padding tokens
     seg[1] = 0  # row 1: one sample, whole causal tiles
-    for j in range(4):
-        kv = (j + 1) * T
-        mod = ttt_mask_mod(seg, kv)
+    # every step j of flex's TTT mask, then split's step-0 mask (None)
+    for j in (0, 1, 2, 3, None):
+        kv = (j + 1) * T if j is not None else T
+        mod = ttt_mask_mod(seg, kv) if j is not None else causal_segment_mask_mod(seg)
         ours = broadcast_block_mask(mod, 2, T, kv, "cpu")
         ref = flex_module.create_block_mask(mod, 2, None, T, kv, device="cpu")
         assert ours.seq_lengths == ref.seq_lengths and ours.BLOCK_SIZE == ref.BLOCK_SIZE
