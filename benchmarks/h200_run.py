@@ -194,6 +194,7 @@ def bench_smollm(a, res):
     qs = spread(load_eval(Path(a.data) / "eval" / "mt_bench.jsonl"), a.num_prompts)  # all 80 by default
     ids = [torch.tensor([prompt_ids(target.tokenizer, q.turns)], device=a.device) for q in qs]
     tree = TreeSpec(topk=a.topk, steps=a.tree_steps, num_draft_tokens=a.tree_tokens)
+    sampled_specs = sampled_trees(a.sampled_trees, tree)  # parsed before any timing: a bad entry stops here
     chain_tree = TreeSpec(1, 5, 5)  # chain5_device: the chain of 5 on the device-resident tree cycle (same tokens and accepts)
     # Caches sized to the longest prompt + new tokens + a draft's worth (as gpt-fast sizes its static
     # cache), in steps of 128, one size for every prompt so the graphs captured over them stay valid:
@@ -269,15 +270,14 @@ def bench_smollm(a, res):
         name = f"t{temp:g}"
         try:
             gen = torch.Generator(a.device).manual_seed(0)
-            specs = sampled_trees(a.sampled_trees, tree)
             for x in ids[:2]:  # graph capture outside the timing
                 decode_plain(model, x, 32, target.eos_ids, graphs, temp, 1.0, gen)
-                for spec in specs.values():
+                for spec in sampled_specs.values():
                     dec.decode_tree_sampled(model, drafter, x, 32, spec, temp, 1.0, target.eos_ids, gen, graphs)
             sm[f"plain_{name}"] = summary([decode_plain(model, x, a.max_new_bench, target.eos_ids, graphs, temp, 1.0, gen)
                                            for x in ids])
-            for entry, spec in specs.items():
-                key = f"tree_{name}" + (f"_{entry.replace(':', '_')}" if len(specs) > 1 else "")
+            for entry, spec in sampled_specs.items():
+                key = f"tree_{name}" + (f"_{entry.replace(':', '_')}" if len(sampled_specs) > 1 else "")
                 sm[key] = summary([dec.decode_tree_sampled(model, drafter, x, a.max_new_bench, spec, temp, 1.0, target.eos_ids,
                                                            gen, graphs) for x in ids])
                 sm[key].update(tree=f"{spec.topk}x{spec.steps}x{spec.num_draft_tokens}", draws=spec.draws_at(temp))

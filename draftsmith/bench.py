@@ -24,7 +24,7 @@ import torch
 from draftsmith.common import Progress, dtype_of, rows_table, write_result
 from draftsmith.data import load_eval, prompt_ids
 from draftsmith.cudagraph import Graphs
-from draftsmith.decode import (TREE_DRAWS, TreeSpec, decode_chain, decode_chain_sampled, decode_plain, decode_tree,
+from draftsmith.decode import (TreeSpec, decode_chain, decode_chain_sampled, decode_plain, decode_tree,
                                decode_tree_sampled, greedy_agreement)
 from draftsmith.export import load_any
 from draftsmith.target import load_target
@@ -58,8 +58,7 @@ class BenchConfig:
             raise ValueError("draft_tokens, num_prompts and max_new_tokens must be >= 1")
         if self.mode not in ("chain", "tree"):
             raise ValueError(f"mode must be chain or tree, not {self.mode!r}")
-        if self.tree_draws not in TREE_DRAWS:
-            raise ValueError(f"tree_draws must be one of {', '.join(TREE_DRAWS)}, not {self.tree_draws!r}")
+        TreeSpec(self.topk, self.steps, self.num_draft_tokens, self.tree_draws)  # the tree's own checks, before any loading
         if self.kernels not in ("torch", "triton"):
             raise ValueError(f"kernels must be torch or triton, not {self.kernels!r}")
         if self.kernels == "triton" and not self.device.startswith("cuda"):

@@ -424,7 +424,7 @@ class TreeSpec:
         if self.topk < 1 or self.steps < 1 or self.num_draft_tokens < 1:
             raise ValueError("topk, steps and num_draft_tokens must be >= 1")
         if self.draws not in TREE_DRAWS:
-            raise ValueError(f"draws must be one of {TREE_DRAWS}, not {self.draws!r}")
+            raise ValueError(f"tree draws (bench --tree-draws) must be one of {', '.join(TREE_DRAWS)}, not {self.draws!r}")
 
     def draws_at(self, temperature: float) -> str:
         """How children are drafted at this temperature: "top" (always at 0) or "sample"."""
