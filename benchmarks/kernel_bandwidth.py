@@ -6,14 +6,20 @@ fall short of the copy bandwidth (the engine profile's profile_T1, h200_run.py e
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
-H, I, HEADS, KV, D, V, LAYERS, BF16 = 4096, 14336, 32, 8, 128, 128256, 32, 2
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from h200_run import LLAMA8B  # noqa: E402  the shape the profile ran
+
+m, BF16 = LLAMA8B, 2
+H, D, LAYERS = m.hidden_size, m.head_dim, m.num_layers
 WEIGHT_BYTES = {  # a kernel's weight bytes over all layers (one call a layer; _linear is o_proj and down_proj)
-    "_qkv_rope_cache": LAYERS * (HEADS + 2 * KV) * D * H * BF16,
-    "_linear_residual": LAYERS * (HEADS * D * H + I * H) * BF16,
-    "_gate_up": LAYERS * 2 * I * H * BF16,
-    "nvjet_sm90_tst_256x8_64x6_2x1_v_bz_TNT": V * H * BF16,  # the lm_head (cuBLAS)
+    "_qkv_rope_cache": LAYERS * (m.num_heads + 2 * m.num_kv_heads) * D * H * BF16,
+    "_linear_residual": LAYERS * (m.num_heads * D * H + m.intermediate_size * H) * BF16,
+    "_gate_up": LAYERS * 2 * m.intermediate_size * H * BF16,
+    "nvjet_sm90_tst_256x8_64x6_2x1_v_bz_TNT": m.vocab_size * H * BF16,  # the lm_head (cuBLAS)
 }
 
 
