@@ -52,13 +52,13 @@ def main():
     model = target.model.optimize()
     drafter = load_any(a.drafter, model.embed_tokens.weight.detach()).eval()
     prompts = [torch.tensor([prompt_ids(target.tokenizer, p.turns)]) for p in spread(load_eval(a.prompts), a.num_prompts)]
-    temps = [float(t) for t in a.temperature.split(",")]
+    temps, draws = [float(t) for t in a.temperature.split(",")], a.draws.split(",")
     res = {"command": shlex.join(["python", *sys.argv]), "commit": git_commit(), "device": device_name("cpu"),
            "drafter": a.drafter, "prompts": len(prompts), "max_new_tokens": a.max_new_tokens,
            "temperature": temps[0] if len(temps) == 1 else temps, "shapes": {}}
     logits, first_tokens = drafter.logits, {}
     runs = [(temp, shape, float(st), dr) for temp in temps for st in a.score_temperatures.split(",")
-            for shape in a.shapes.split(",") for dr in (a.draws.split(",") if temp > 0 else ["top"])]
+            for shape in a.shapes.split(",") for dr in (draws if temp > 0 else ["top"])]
     for temp, shape, score_t, dr in runs:
         if score_t != 1 and temp != 0:
             raise SystemExit("--score-temperatures applies to greedy trees (--temperature 0) only")
@@ -67,9 +67,9 @@ def main():
         name += f"@T{temp:g}" if len(temps) > 1 else ""
         k, steps, nodes = (int(x) for x in shape.split("x"))
         chain = k == 1 and nodes == steps
-        if chain and dr != a.draws.split(",")[0] and temp > 0:
+        if chain and dr != draws[0] and temp > 0:
             continue  # chains have one sampler
-        name += f"@{dr}" if "," in a.draws and temp > 0 and not chain else ""
+        name += f"@{dr}" if len(draws) > 1 and temp > 0 and not chain else ""
         gen, lengths, tokens, t = torch.Generator().manual_seed(a.seed), [], [], time.perf_counter()
         for x in prompts:
             if chain and temp == 0:
