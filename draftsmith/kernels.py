@@ -659,7 +659,7 @@ def _counters(like: torch.Tensor, n: int) -> torch.Tensor:
             raise RuntimeError("kernels: arrival counters first needed inside CUDA-graph capture; run the pass once before capturing")
         c = _COUNTERS[like.device] = torch.zeros(1 << 16, dtype=torch.int32, device=like.device)
     if n > c.numel():
-        raise ValueError(f"kernels: a launch needs {n} arrival counters, {c.numel()} are made (_counters' size)")
+        raise ValueError(f"kernels: {n} arrival counters needed, {c.numel()} made; raise Tuning.cols")
     return c
 
 
