@@ -4,8 +4,11 @@
 #   1. the GPU tests of the kernels and decoding                          -> OUT/pytest-gpu.txt
 #   2. tree_cycle.py: the SmolLM2 shape's target pass by rows, plain decoding, the host chain and the
 #      device-resident tree cycle, engine variant by engine variant       -> OUT/tree-cycle.json
-#   3. h200_run.py engine: the Llama-3.1-8B shape's Tuning sweep          -> OUT/engine.json
-#   4. (issue 4, last so that a short session cuts it first; TTT=0 skips it) the GPU tests of the
+#   3. (only with BENCH_GGUF=PATH set) h200_run.py bench: SmolLM2-135M-Instruct with the shipped drafter,
+#      T=0 and T=1 with three sampled trees, once the GGUF at PATH exists (staged by later calls: it
+#      waits up to 240 s for it)                                          -> OUT/bench/bench.json
+#   4. h200_run.py engine: the Llama-3.1-8B shape's Tuning sweep          -> OUT/engine.json
+#   5. (issue 4, last so that a short session cuts it first; TTT=0 skips it) the GPU tests of the
 #      drafter's TTT attention (flex and split against eager)           -> OUT/pytest-gpu-draft.txt
 #      and ttt_attention_bench.py (flex vs split at the training shape)  -> OUT/ttt_attention_bench.json
 # Run it detached and fetch as it goes (device_bg.sh), e.g. in the first call:
@@ -31,6 +34,11 @@ step() {  # step NAME SECONDS CMD...: runs CMD, records its exit status and wall
 echo "commit ${DRAFTSMITH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)} $(date -u +%FT%TZ)" >"$out/steps.txt"
 step pytest-gpu 420 bash -c "set -o pipefail; python3 -m pytest -q -m gpu tests/test_kernels.py tests/test_decode.py -rs 2>&1 | tee '$out/pytest-gpu.txt'"
 step tree-cycle 720 python3 benchmarks/tree_cycle.py --variants "$variants" --out "$out/tree-cycle.json"
+if [ -n "${BENCH_GGUF:-}" ]; then
+  step bench 480 bash -c "for i in \$(seq 48); do [ -s '$BENCH_GGUF' ] && break; sleep 5; done; \
+    python3 benchmarks/h200_run.py bench --gguf '$BENCH_GGUF' --data '${BENCH_DATA:-/tmp/data}' \
+    --drafter draftsmith/assets/drafter --no-with-8b --no-hf --sampled-trees sample,16x6x48:sample,top --out '$out/bench'"
+fi
 step engine-8b 600 python3 benchmarks/h200_run.py engine --sections llama8b_shape --variants compiled,triton,triton_sweep \
   --sweep "$sweep" --rows 1,8,49 --out "$out"
 if [ "${TTT:-1}" != 0 ]; then
