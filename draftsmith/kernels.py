@@ -486,6 +486,7 @@ def _move_slots(table_ptr, like_ptr, src_ptr, dst_ptr, n, S, D: tl.constexpr, BD
     src = tl.load(src_ptr + r, mask=ok, other=0)
     dst = tl.load(dst_ptr + r, mask=ok, other=0)
     rows = tl.load(base + (head * S + src)[:, None] * D + d[None, :], mask=inside)
+    tl.debug_barrier()  # every thread's reads before any thread's writes: a row's source may be another's destination
     tl.store(base + (head * S + dst)[:, None] * D + d[None, :], rows, mask=inside)
 
 
@@ -547,7 +548,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     pm, pl = (torch.empty(chunks, T, h, dtype=torch.float32, device=q.device) for _ in range(2))
     pacc = torch.empty(chunks, T, h, D, dtype=torch.float32, device=q.device)
     ncp = triton.next_power_of_2(chunks)
-    count = _counters(q, kv * MAX_T) if tuning.merge_last else out
+    count = _counters(q, kv * MAX_T) if tuning.merge_last else _unused(q)
     _attention_part[(*grid, chunks)](q, k, v, mask, input_pos, pm, pl, pacc, out, count, T, S, mask.stride(0), mask.stride(1),
                                       D**-0.5, BS=min(bs, tuning.split), CH=tuning.split, MERGE=tuning.merge_last, NCP=ncp,
                                       **common)
@@ -575,10 +576,10 @@ def layer_forward(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     bp = min(tuning.pairs, D // 2)
     ks, kp = _k_parts(Hd, bk, tuning.ksplit)
     grid = (ks * (h + 2 * kv), D // 2 // bp, rows)
-    parts = torch.empty(ks, T, (h + 2 * kv) * D, dtype=torch.float32, device=x.device) if ks > 1 else q
-    count = _counters(x, grid[0] * grid[1] * grid[2] // ks) if ks > 1 else q
+    parts = torch.empty(ks, T, (h + 2 * kv) * D, dtype=torch.float32, device=x.device) if ks > 1 else _unused(x)
+    count = _counters(x, grid[0] * grid[1] * grid[2] // ks) if ks > 1 else _unused(x)
     _qkv_rope_cache[grid](
-        x2, layer.input_layernorm.weight, attn.qkv.weight, bias if bias is not None else x2, cos, sin, input_pos, q,
+        x2, layer.input_layernorm.weight, attn.qkv.weight, bias if bias is not None else _unused(x), cos, sin, input_pos, q,
         cache.k, cache.v, parts, count, T, S, layer.input_layernorm.eps, K=Hd, D=D, H=h, KV=kv, BP=bp, BK=bk,
         HAS_BIAS=bias is not None, KS=ks, KP=kp, **mm)
     o = torch.empty(T, h * D, dtype=x.dtype, device=x.device)
@@ -604,8 +605,11 @@ def _matmul_options(x: torch.Tensor, tuning: Tuning) -> dict:
 
 def _pdl(tuning: Tuning, like: torch.Tensor) -> dict:
     """The PDL switch a kernel takes (_pdl_start) and, when on, the launch option that goes with it: a GPU's
-    launch feature, so off for CPU tensors (the interpreter)."""
-    on = tuning.pdl and like.device.type != "cpu"
+    launch feature, so off for CPU tensors (the interpreter). Off too where torch.compile traces the launch
+    (the head's kernels inside a compiled acceptance step): its analysis of which arguments a kernel writes
+    cannot read PDL's inline assembly and then takes every argument as written (cloning the lm_head's weight
+    at each call), and nothing is known of how inductor would launch the kernel."""
+    on = tuning.pdl and like.device.type != "cpu" and not torch.compiler.is_compiling()
     return dict(PDL=on, **({"launch_pdl": True} if on else {}))
 
 
@@ -632,9 +636,9 @@ def _matmul(a: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None
     ks, kp = _k_parts(K, bk, ksplit)
     grid = (triton.cdiv(N, bn), triton.cdiv(T, ROWS), ks)
     y = torch.empty(T, N, dtype=a.dtype, device=a.device)
-    parts = torch.empty(ks, T, N, dtype=torch.float32, device=a.device) if ks > 1 else y
-    count = _counters(a, grid[0] * grid[1]) if ks > 1 else y
-    _linear[grid](a, weight, a if residual is None else residual, y, parts, count, T, K=K, N=N,
+    parts = torch.empty(ks, T, N, dtype=torch.float32, device=a.device) if ks > 1 else _unused(a)
+    count = _counters(a, grid[0] * grid[1]) if ks > 1 else _unused(a)
+    _linear[grid](a, weight, _unused(a) if residual is None else residual, y, parts, count, T, K=K, N=N,
                   BN=bn, BK=bk, RESIDUAL=residual is not None, KS=ks, KP=kp, **_matmul_options(a, tuning))
     return y
 
@@ -645,6 +649,16 @@ def _k_parts(K: int, bk: int, ksplit: int) -> tuple[int, int]:
     kp = triton.cdiv(tiles, min(ksplit, tiles)) * bk
     ks = triton.cdiv(K, kp)
     return (ks, kp) if ks > 1 else (1, K)
+
+
+def _unused(like: torch.Tensor) -> torch.Tensor:
+    """A stand-in for a pointer argument the launch does not use (no bias, no residual, no K split): never
+    another argument of the same launch. torch.compile's functional form of a kernel call clones each
+    written argument separately and writes each clone back, so a written tensor passed twice gets the
+    untouched clone back when torch cannot tell which arguments the kernel writes (as with Tuning.pdl's
+    inline assembly before _pdl turned it off under tracing: the likely cause of the bf16 tree's 55% greedy
+    agreement on the H100, logs/h100-bench-triton-pdl-7318e6b.json)."""
+    return torch.empty(1, dtype=like.dtype, device=like.device)
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}

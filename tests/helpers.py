@@ -45,11 +45,14 @@ class OracleDrafter(Eagle3Drafter):
     the decoder reads (the last of a catch-up, a padded row, a node of a tree level). Tensor ops
     only: it runs on any device and inside CUDA graphs."""
 
-    def __init__(self, cfg: DraftConfig, oracle: list[int], p_right: float, seed: int = 0):
+    def __init__(self, cfg: DraftConfig, oracle: list[int], p_right: float, seed: int = 0, runner_up: bool = False):
         super().__init__(cfg)
         want = torch.tensor(oracle)
         right = torch.rand(len(oracle), generator=torch.Generator().manual_seed(seed)) < p_right
         self.register_buffer("proposal", torch.where(right, want, (want + 1) % cfg.vocab_size), persistent=False)
+        # runner_up: where the proposal is wrong the true token comes second, so a tree accepts paths
+        # that leave its first branch (their nodes sit apart in the cache, and the commit moves them)
+        self.register_buffer("runner_up", want if runner_up else None, persistent=False)
 
     def forward(self, tokens, hidden, input_pos, mask=None, rope_pos=None):
         out = hidden.new_zeros(tokens.shape[0], tokens.shape[1], self.cfg.hidden_size)
@@ -59,6 +62,8 @@ class OracleDrafter(Eagle3Drafter):
     def logits(self, hidden):
         at = (hidden[..., 0].long() + 2).clamp(max=len(self.proposal) - 1)
         out = hidden.new_full((*hidden.shape[:-1], self.cfg.draft_vocab_size), -1e4)
+        if self.runner_up is not None:
+            out = out.scatter(-1, self.runner_up[at][..., None], -1.0)
         return out.scatter(-1, self.proposal[at][..., None], 0.0)
 
 

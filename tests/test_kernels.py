@@ -15,7 +15,8 @@ from draftsmith import kernels  # noqa: E402
 from draftsmith.decode import TreeSpec, decode_chain, decode_plain, decode_tree, tree_mask  # noqa: E402
 from draftsmith.target import causal_mask  # noqa: E402
 
-from helpers import tiny_drafter, tiny_native  # noqa: E402
+from draftsmith.draft import DraftConfig  # noqa: E402
+from helpers import OracleDrafter, tiny_drafter, tiny_native  # noqa: E402
 
 S = 64
 
@@ -425,6 +426,20 @@ def test_speculative_decoding_on_the_kernels_equals_plain_greedy(tuning):
     assert decode_tree(model, drafter, prompt, 16, TreeSpec(2, 3, 4)).tokens == reference
 
 
+def test_trees_accepted_off_their_first_branch_on_the_kernels_equal_plain_greedy():
+    """A random drafter's trees accept little; an oracle's are accepted, half of the time through a second
+    child, whose path the verify pass lays out token by token and the commit moves. Across 16-slot
+    attention chunks (the verify passes reach past the first)."""
+    eager = kernel_target(layers=4)
+    model = kernel_target(layers=4).optimize(kernels="triton", tuning=kernels.Tuning(split=16, slots=16))
+    prompt = torch.randint(3, 320, (1, 7), generator=torch.Generator().manual_seed(5))
+    reference = decode_plain(eager, prompt, 24).tokens
+    oracle = OracleDrafter(DraftConfig.from_target(model.args, model.args.vocab_size), prompt[0].tolist() + reference + [0] * 30,
+                           0.5, runner_up=True)
+    out = decode_tree(model, oracle, prompt, 24, TreeSpec(2, 4, 8))
+    assert out.tokens == reference and max(out.accept_lengths) == 5 and min(out.accept_lengths[:-1]) < 5
+
+
 @pytest.mark.parametrize("ksplit", [1, 2, 3, 5, 16])
 def test_a_matmul_split_over_k_sums_its_parts_and_leaves_its_counters_at_zero(ksplit, nan_empty):
     """Tuning.ksplit: o_proj and down_proj's K in parts of whole tiles, the last part of a tile to arrive
@@ -456,6 +471,54 @@ def test_arrival_counters_are_not_made_inside_graph_capture(monkeypatch):
     assert kernels._counters(like, 8) is kernels._counters(like, 16)
     with pytest.raises(ValueError, match="Tuning.cols"):
         kernels._counters(like, 1 << 20)
+
+
+@pytest.mark.parametrize("tuning", [kernels.Tuning(), kernels.Tuning(split=0),
+                                    kernels.Tuning(bk_max=16, ksplit=3, split=16, slots=16, merge_last=True)],
+                         ids=["default", "unsplit", "ksplit3-merge-last"])
+def test_no_launch_passes_one_tensor_for_two_arguments(monkeypatch, tuning):
+    """A written tensor passed for two pointer arguments comes back unwritten from torch.compile's functional
+    form of the call when torch cannot tell which arguments the kernel writes (it clones each argument and
+    writes every clone back; Tuning.pdl's inline assembly did that to the head's kernels inside the compiled
+    acceptance step). So no launch of a layer, the head or a commit shares one tensor between arguments."""
+    launches = []
+
+    class Recording:
+        def __init__(self, name, fn):
+            self.name, self.fn = name, fn
+
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launches.append((self.name, [a for a in (*args, *kw.values()) if isinstance(a, torch.Tensor)]))
+                return self.fn[grid](*args, **kw)
+            return launch
+
+    launched = ("_qkv_rope_cache", "_attention", "_attention_part", "_attention_merge", "_gate_up", "_linear", "_rmsnorm",
+                "_move_slots")  # the kernels launched from Python (the others are called inside them)
+    for name in launched:
+        monkeypatch.setattr(kernels, name, Recording(name, getattr(kernels, name)))
+    model = kernel_target(layers=2).optimize(kernels="triton", tuning=tuning)
+    pos = torch.arange(20, 24)
+    out = model(torch.randint(3, 320, (1, 4)), pos, causal_mask(pos, S))
+    model.logits(out.hidden[0])
+    model.commit(torch.tensor([21, 23, 22]), torch.tensor([21, 22, 23]))
+    names = {name for name, _ in launches}
+    assert {"_qkv_rope_cache", "_gate_up", "_linear", "_rmsnorm", "_move_slots"} <= names
+    for name, tensors in launches:
+        storages = [t.untyped_storage().data_ptr() for t in tensors]
+        assert len(set(storages)) == len(storages), f"{name} gets one tensor for two arguments"
+
+
+def test_pdl_is_off_on_the_cpu_and_where_torch_compile_traces_the_launch(monkeypatch):
+    """Tuning.pdl is a launch option of CUDA devices, and torch.compile's analysis of which arguments a kernel
+    writes cannot read its inline assembly (it then takes every argument as written): off in both."""
+    on = kernels.Tuning(pdl=True)
+    gpu_like = torch.empty(1, device="meta")
+    assert kernels._pdl(on, gpu_like) == {"PDL": True, "launch_pdl": True}
+    assert kernels._pdl(kernels.Tuning(), gpu_like) == {"PDL": False}
+    assert kernels._pdl(on, torch.empty(1)) == {"PDL": False}
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert kernels._pdl(on, gpu_like) == {"PDL": False}
 
 
 def test_layers_the_kernels_do_not_cover_keep_the_torch_path():
@@ -497,8 +560,10 @@ SMOLLM2_WIDTHS = dict(hidden_size=576, num_attention_heads=9, num_key_value_head
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("tuning,compiled", [(kernels.Tuning(), False), (kernels.Tuning(split=0), True),
                                              (kernels.Tuning(ksplit=2, merge_last=True), False),
-                                             (kernels.Tuning(pdl=True, ksplit=2, merge_last=True), False)],
-                         ids=["default", "unsplit-compiled-drafter", "ksplit2-merge-last", "pdl-ksplit2-merge-last"])
+                                             (kernels.Tuning(pdl=True, ksplit=2, merge_last=True), False),
+                                             (kernels.Tuning(pdl=True), True)],
+                         ids=["default", "unsplit-compiled-drafter", "ksplit2-merge-last", "pdl-ksplit2-merge-last",
+                              "pdl-compiled-drafter"])
 def test_speculation_on_cuda_kernels_at_smollm2_widths_equals_plain(tuning, compiled, dtype):
     """The device bench's exactness check, at SmolLM2's widths with the default Tuning under CUDA
     graphs: the fp32 tiles must fit an SM (the bench's fp32 check once died of OutOfResources) and a
@@ -508,7 +573,10 @@ def test_speculation_on_cuda_kernels_at_smollm2_widths_equals_plain(tuning, comp
     break the same way (until 2026-12-05 the bf16 tree agreed on ~99% of the real model's tokens). And
     with o_proj/down_proj split over K and the attention's merge done by its last chunk program: their
     arrival counters under graph replay, step after step. And with programmatic dependent launch, each
-    kernel waiting on the device for the one before it, captured in the graphs."""
+    kernel waiting on the device for the one before it, captured in the graphs. A random drafter's trees
+    accept little, so also an oracle's (half of them off the first branch) after a 130-token prompt (the
+    verify passes cross the 128-slot attention chunks), as the real bench's are: with PDL and the drafter
+    compiled, the bench's bf16 tree agreed on only 55% of the real model's tokens (2026-12-05, H100)."""
     from draftsmith.cudagraph import Graphs
 
     model = tiny_native(layers=4, **SMOLLM2_WIDTHS).optimize(kernels="triton", tuning=tuning)
@@ -516,7 +584,7 @@ def test_speculation_on_cuda_kernels_at_smollm2_widths_equals_plain(tuning, comp
     if compiled:
         drafter.optimize("inductor")
     model = model.cuda().to(dtype)
-    model.setup_caches(1, 256)
+    model.setup_caches(1, 512)
     graphs = Graphs(True)
     for seed in range(3):
         prompt = torch.randint(3, 320, (1, 12), generator=torch.Generator().manual_seed(seed)).cuda()
@@ -524,6 +592,14 @@ def test_speculation_on_cuda_kernels_at_smollm2_widths_equals_plain(tuning, comp
         assert decode_chain(model, drafter, prompt, 48, 5, (), graphs).tokens == plain
         for spec in (TreeSpec(4, 4, 16), TreeSpec(8, 6, 48)):  # 17 and 49 rows: two and four row tiles
             assert decode_tree(model, drafter, prompt, 48, spec, (), graphs).tokens == plain
+    prompt = torch.randint(3, 320, (1, 130), generator=torch.Generator().manual_seed(7)).cuda()
+    plain = decode_plain(model, prompt, 64, (), graphs).tokens  # positions stay below 256, exact in bf16 (the oracle's)
+    oracle = OracleDrafter(DraftConfig.from_target(model.args, model.args.vocab_size), prompt[0].tolist() + plain + [0] * 60,
+                           0.5, runner_up=True).cuda().to(dtype)
+    if compiled:
+        oracle.optimize("inductor")
+    out = decode_tree(model, oracle, prompt, 64, TreeSpec(8, 6, 48), (), graphs)
+    assert out.tokens == plain and max(out.accept_lengths) == 7
 
 
 @pytest.mark.gpu
