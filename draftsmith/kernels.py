@@ -58,8 +58,11 @@ class Tuning:
     dropped (logs/tree-cycle-8c7a00e.json, logs/engine-8b-sweep-8c7a00e.json): matmul programs computing
     up to four row tiles from one weight read (a 49-row pass 2.19 ms against 1.32), RMSNorm folded into
     the matmul's pass over x (8B step 7.75 against 5.07 ms) and the split's merge done by o_proj (SmolLM2
-    step 1.31 against 0.90 ms). Not yet timed on a GPU: ksplit and merge_last (so off), and head (on, so
-    that a token's logits do not depend on its pass; its speed against cuBLAS is unmeasured)."""
+    step 1.31 against 0.90 ms). On an H100 (logs/tree-cycle-h100-7318e6b.json, SmolLM2 shape): merge_last
+    made the step slower (0.916 against 0.898 ms), so off; pdl faster (0.788), but off until the real
+    model's bf16 tree passes the bench with it (it failed before _pdl turned off under torch.compile).
+    Not yet timed: ksplit (off), and head (on, so that a token's logits do not depend on its pass; its
+    speed against cuBLAS is unmeasured)."""
     bk_max: int = 256  # reduction tile: K rounded up to a power of 2, at most this
     slots: int = 128  # attention: cache slots a step
     warps: int = 4
@@ -81,7 +84,7 @@ class Tuning:
     merge_last: bool = False
     # programmatic dependent launch (Hopper): each kernel is put on the GPU while the one before it runs and
     # waits on the device for it to finish, instead of being launched after it (to hide the launch gaps of
-    # SmolLM2's ~180 dependent kernels a step; how much they cost is unmeasured); the arithmetic is unchanged
+    # SmolLM2's ~180 dependent kernels a step: 12% of its one-token step on an H100); the arithmetic is unchanged
     pdl: bool = False
 
     def __post_init__(self):
