@@ -215,17 +215,18 @@ class Eagle3Drafter(nn.Module):
         pre-norm outputs (B, T, H); output j at row t predicts the target's distribution z[t+1+j].
         segment_ids (B, T) keep packed sequences from attending to each other; position_ids (B, T)
         restart per sequence. attn_impl: "eager" materialises the (B, heads, T, T) scores, "flex"
-        runs flex_attention (compiled on CUDA; no (T, T) scores in memory), "split" runs flex over
-        step 0's keys only and merges the later steps' own keys in (ttt_attention_split; not yet timed
-        on a GPU, so not the default). "auto" is flex on CUDA,
-        eager elsewhere (flex has no CPU backward): on the H200 flex is the faster, 0.204 vs 0.287 s a
-        SmolLM2 training step, 103 ms at the 8B shape against eager's 137 ms (train_8b_flex_b51b699
-        and train_8b in benchmarks/results/h200-pipeline.json), with its gradients checked against
-        eager's there (tests/test_draft.py, -m gpu)."""
+        runs flex_attention (compiled on CUDA; no (T, T) scores in memory) over every step's keys, "split"
+        runs flex over step 0's keys only and merges the later steps' own keys in (ttt_attention_split).
+        "auto" is split on CUDA, eager elsewhere (flex has no CPU backward). On an H100
+        (benchmarks/results/logs/ttt-attention-bench-h100-3ff982a.json, SmolLM2's training shape, 8 packed
+        rows of 2,000 tokens, TTT 7) split's forward + backward takes 25.7 ms against flex's 94.2 and
+        eager's 117.3, and the 8B-shape training step 0.110 s against flex's 0.127 (MFU 0.398 vs 0.336,
+        logs/ttt-h100-3ff982a.json); both match eager's outputs and gradients there (tests/test_draft.py,
+        -m gpu). Flex was the default before: on the H200, 0.204 vs eager's 0.287 s a SmolLM2 step."""
         if attn_impl not in TTT_ATTENTION:
             raise ValueError(f"attn_impl must be one of {', '.join(map(repr, TTT_ATTENTION))}, not {attn_impl!r}")
-        split = attn_impl == "split"
-        flex = split or attn_impl == "flex" or (attn_impl == "auto" and input_ids.is_cuda)
+        split = attn_impl == "split" or (attn_impl == "auto" and input_ids.is_cuda)
+        flex = split or attn_impl == "flex"
         B, T = input_ids.shape
         attn = self.midlayer.self_attn
         if position_ids is None:

@@ -15,8 +15,8 @@ each step's KL the mean over its scored tokens in the whole pack. The steps shar
 rows, so those log-probs are computed once per pack (up to `target_cache_mb`). A step scoring more
 than `loss_chunk_tokens` tokens computes its loss in checkpointed chunks, so the (tokens, Vd) logits
 of a whole pack never exist at once. On CUDA the KL runs through torch.compile (`compile_loss`);
-`attn_impl="flex"` runs the TTT attention through compiled flex_attention (less memory, and faster on
-the H200: the default on CUDA, see Eagle3Drafter.ttt). acc_j is agreement with the target's greedy token and
+the TTT attention runs through compiled flex_attention on CUDA (`attn_impl` "split", the default there,
+or "flex"; less memory and faster than materialised scores, see Eagle3Drafter.ttt). acc_j is agreement with the target's greedy token and
 the simulated accept length is 1 + sum_k prod_{i<=k} acc_i; rank 0 logs them per step to
 metrics.jsonl and, when tensorboard is installed (the `tb` extra), under <out>/tb. Checkpoints hold
 model, optimizer, scheduler, step, data position and RNG state, written atomically;
@@ -92,8 +92,8 @@ class TrainConfig:
     target_cache_mb: int = 4096  # the target's draft-vocab log-probs of a pack (fp32, scored rows x Vd) are computed
     # once and kept when they fit in this; beyond, each step's chunks recompute theirs; 0: never kept
     attn_impl: str = "auto"  # TTT attention: "flex" (compiled on CUDA), "eager" (materialised scores), "split" (flex over
-    # step 0's keys, the later steps' own keys merged in; untimed); auto: flex on CUDA (faster on the H200: 0.204 vs
-    # 0.287 s a SmolLM2 step, MFU 0.437 vs 0.326 at the 8B shape), eager elsewhere
+    # step 0's keys, the later steps' own keys merged in); auto: split on CUDA (an H100: attention forward + backward
+    # 25.7 ms against flex's 94.2 at SmolLM2's training shape, MFU 0.398 vs 0.336 at the 8B shape), eager elsewhere
     compile_loss: bool | None = None  # the per-chunk KL through torch.compile; None: on CUDA
     parallel: str = "ddp"  # under torchrun: "ddp" or "fsdp" (FSDP2 fully_shard)
     eval_fraction: float = 0.05
