@@ -37,7 +37,7 @@ step() {  # step NAME SECONDS CMD...: runs CMD, records its exit status and wall
 }
 echo "commit ${DRAFTSMITH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)} $(date -u +%FT%TZ)" >"$out/steps.txt"
 widths=test_speculation_on_cuda_kernels_at_smollm2_widths_equals_plain
-step pytest-gpu-widths 300 bash -c "set -o pipefail; python3 -m pytest -q -m gpu tests/test_kernels.py -k $widths -rA 2>&1 \
+step pytest-gpu-widths 420 bash -c "set -o pipefail; python3 -m pytest -q -m gpu tests/test_kernels.py -k $widths -rA 2>&1 \
   | tee '$out/pytest-gpu-widths.txt'"
 if [ -n "${BENCH_GGUF:-}" ]; then
   engine=triton
