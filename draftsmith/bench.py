@@ -124,8 +124,9 @@ def warm_prompt_shapes(model, ids: list, eos_ids=(), graphs=None):
     length builds attention plans (~50 ms a length on the H200: the plain runs' prefill took 4.3 s
     for 80 MT-bench prompts against 2.0 s for the speculative runs after them,
     logs/bench-compiled-shipped-drafter-bb19a48.json), and that cost fell on whichever decoding ran
-    first for a prompt, plain decoding, which made the speedups look larger. On the CPU nothing is
-    built per length, so nothing is done."""
+    first for a prompt, plain decoding, which made the speedups look larger. Under CUDA graphs prompts
+    now run in fixed 256-token passes (decode.run_prompt), so this captures those once; a prompt too
+    long for the padding still runs eagerly. On the CPU nothing is built per length, so nothing is done."""
     if ids and ids[0].device.type == "cuda":
         for x in ids:
             decode_plain(model, x, 1, eos_ids, graphs)

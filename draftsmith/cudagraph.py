@@ -13,9 +13,19 @@ from __future__ import annotations
 import torch
 
 
+PREFILL_CHUNK = 256  # prompt tokens a captured prefill pass (decode.run_prompt)
+
+
 class Graphs:
-    def __init__(self, enabled: bool):
+    """enabled: capture (CUDA) or call (CPU). prefill_chunk: prompts run in passes of this many tokens
+    (decode.run_prompt), each a replay of one captured graph; 0: in one eager pass. Default:
+    PREFILL_CHUNK when enabled, else 0 (tests set it on the CPU to run the chunked path eagerly)."""
+
+    def __init__(self, enabled: bool, prefill_chunk: int | None = None):
         self.enabled = enabled
+        self.prefill_chunk = (PREFILL_CHUNK if enabled else 0) if prefill_chunk is None else prefill_chunk
+        if self.prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk must be >= 0 (0: one eager pass), got {prefill_chunk}")
         self.entries: dict = {}
 
     def __call__(self, key, fn, *inputs: torch.Tensor):

@@ -25,7 +25,7 @@ import torch
 
 from draftsmith.cudagraph import Graphs, eager
 from draftsmith.draft import Eagle3Drafter
-from draftsmith.target import Transformer
+from draftsmith.target import TargetOutput, Transformer
 
 
 @dataclass
@@ -139,12 +139,51 @@ def cut_at_eos(tokens: list[int], eos_ids) -> list[int]:
 
 
 @torch.no_grad()
+def cache_slots(model: Transformer, graphs: Graphs, T: int, need: int) -> int:
+    """KV cache slots for a prompt of T tokens and `need` slots of decoding: also room for the padding of
+    the prompt's last prefill pass (run_prompt), unless that would pass the model's position limit."""
+    c = graphs.prefill_chunk
+    if not c:
+        return need
+    padded = -(-T // c) * c
+    return max(need, padded) if padded <= model.args.max_position_embeddings else need
+
+
+@torch.no_grad()
+def run_prompt(model: Transformer, prompt: torch.Tensor, capture=(), graphs: Graphs | None = None):
+    """The target over the prompt (1, T) into cache slots 0..T-1 -> TargetOutput (1, T, ...). With
+    graphs.prefill_chunk (CUDA graphs: cudagraph.PREFILL_CHUNK) in passes of that many tokens, each a
+    replay of one captured graph: an eager pass over a long prompt launches ~15 kernels a layer from
+    Python (SmolLM2: ~19 ms a prompt on an H100, logs/h100-bench-triton-3ff982a.json) and meets a new
+    attention plan at each new length. The last pass is padded with copies of the last token: its pad
+    rows write slots past the prompt, which decoding overwrites before any query reads them (as it does
+    a chain's rejected rows), and never reach the output. One eager pass where the cache has no room for
+    the padding (cache_slots sizes it)."""
+    graphs = graphs or eager()
+    T, dev, c = prompt.shape[1], prompt.device, graphs.prefill_chunk
+    n = -(-T // c) if c else 0
+    if not c or n * c > model.max_len:
+        return model(prompt, torch.arange(T, device=dev), capture=capture)
+
+    def chunk(tokens, pos):  # (1, c) tokens at slots pos..pos+c-1
+        out = model(tokens, pos + torch.arange(c, device=dev), capture=capture)
+        return out.hidden, out.aux
+
+    tokens = torch.cat([prompt, prompt[:, -1:].expand(1, n * c - T)], dim=1)
+    key = ("prefill", c, tuple(capture), id(model), model.max_len)  # a graph bakes in the cache buffers
+    starts = torch.arange(0, n * c, c, device=dev)  # made on the device: no host copy a pass
+    parts = [[t.clone() if t is not None else None for t in graphs(key, chunk, tokens[:, i * c:(i + 1) * c], starts[i:i + 1])]
+             for i in range(n)]  # each replay overwrites the graph's outputs: keep a copy
+    hidden = torch.cat([h for h, _ in parts], dim=1)[:, :T]
+    aux = torch.cat([a for _, a in parts], dim=1)[:, :T] if capture else None
+    return TargetOutput(hidden, aux)
+
+
 def prefill(model: Transformer, prompt: torch.Tensor, capture=(), temperature: float = 0.0, top_p: float = 1.0,
-            generator=None):
+            generator=None, graphs: Graphs | None = None):
     """prompt: (1, T). Returns the first new token (greedy, or sampled at temperature > 0) and the
-    target's output over the prompt."""
-    T = prompt.shape[1]
-    out = model(prompt, torch.arange(T, device=prompt.device), capture=capture)
+    target's output over the prompt (run_prompt: in captured passes where `graphs` says so)."""
+    out = run_prompt(model, prompt, capture, graphs)
     return sample(model.logits(out.hidden[:, -1]), temperature, top_p, generator), out  # (1,), TargetOutput
 
 
@@ -181,7 +220,7 @@ def decode_plain(model: Transformer, prompt: torch.Tensor, max_new: int, eos_ids
     graphs = graphs or eager()
     dev = prompt.device
     T = prompt.shape[1]
-    model.setup_caches(1, T + max_new + 1)
+    model.setup_caches(1, cache_slots(model, graphs, T, T + max_new + 1))
     step = next_token_step(model, temperature, top_p, generator)
     sampled, every = temperature > 0, CHECK_EVERY if graphs.enabled else 1
 
@@ -197,7 +236,7 @@ def decode_plain(model: Transformer, prompt: torch.Tensor, max_new: int, eos_ids
 
     sync(dev)
     t0 = time.perf_counter()
-    tok = step(prompt, torch.zeros(1, dtype=torch.long, device=dev))  # prefill
+    tok = prefill(model, prompt, (), temperature, top_p, generator, graphs)[0]
     sync(dev)
     t_prefill = time.perf_counter() - t0
     # a graph bakes in the model, its cache buffers and the sampling settings (not the generator)
@@ -229,9 +268,9 @@ def greedy_agreement(model: Transformer, prompt: torch.Tensor, tokens: list[int]
     graphs = graphs or eager()
     dev = prompt.device
     T = prompt.shape[1]
-    model.setup_caches(1, T + len(tokens) + 1)
+    model.setup_caches(1, cache_slots(model, graphs, T, T + len(tokens) + 1))
     step = next_token_step(model)
-    best = [int(step(prompt, torch.zeros(1, dtype=torch.long, device=dev)))]
+    best = [int(prefill(model, prompt, graphs=graphs)[0])]  # the prompt's pass as decode_plain runs it
     pos = torch.tensor([T], device=dev)
     feed = torch.tensor(tokens, device=dev)
     for i in range(len(tokens) - 1):
@@ -276,13 +315,13 @@ def decode_chain(model: Transformer, drafter: Eagle3Drafter, prompt: torch.Tenso
     dev = prompt.device
     T = prompt.shape[1]
     capture = drafter.cfg.aux_layer_ids
-    model.setup_caches(1, T + max_new + 2 * k + 2)
+    model.setup_caches(1, cache_slots(model, graphs, T, T + max_new + 2 * k + 2))
     drafter.setup_caches(1, T + max_new + 2 * k + 2)
     verify, chain, rows = target_step(model, capture), drafter.compiled(draft_chain(drafter, k)), drafter.compiled(drafter_rows(drafter))
     keys = (id(model), model.max_len, id(drafter), drafter.max_len)  # a graph bakes in modules and cache buffers
     sync(dev)
     t0 = time.perf_counter()
-    pending, first = prefill(model, prompt, capture)
+    pending, first = prefill(model, prompt, capture, graphs=graphs)
     # drafter rows 0..T-1 read (features r, token r+1); the last row's token is the new one
     row_tokens = torch.cat([prompt[0, 1:], pending])[None]
     h = drafter(row_tokens, drafter.fuse(first.aux), torch.arange(T, device=dev))
@@ -712,11 +751,11 @@ def tree_loop(model: Transformer, drafter: Eagle3Drafter, prompt: torch.Tensor, 
     capture = drafter.cfg.aux_layer_ids
     sampling = dict(temperature=temperature, top_p=top_p, generator=generator)
     drafting = sampling if spec.draws_at(temperature) == "sample" else dict(sampling, temperature=0.0)
-    model.setup_caches(1, T + max_new + spec.num_draft_tokens + 2)
+    model.setup_caches(1, cache_slots(model, graphs, T, T + max_new + spec.num_draft_tokens + 2))
     drafter.setup_caches(1, T + max_new + spec.steps * spec.topk + 2)
     sync(dev)
     t0 = time.perf_counter()
-    pending, first = prefill(model, prompt, capture, **sampling)
+    pending, first = prefill(model, prompt, capture, **sampling, graphs=graphs)
     h = drafter(torch.cat([prompt[0, 1:], pending])[None], drafter.fuse(first.aux), torch.arange(T, device=dev))
     sync(dev)
     gen = Generation([int(pending)], 0.0, time.perf_counter() - t0)
@@ -1015,7 +1054,7 @@ def decode_tree(model: Transformer, drafter: Eagle3Drafter, prompt: torch.Tensor
     verify_seconds includes the commit and the drafter catch-up."""
     graphs = graphs or eager()
     dev, T = prompt.device, prompt.shape[1]
-    model.setup_caches(1, T + max_new + spec.num_draft_tokens + 2)
+    model.setup_caches(1, cache_slots(model, graphs, T, T + max_new + spec.num_draft_tokens + 2))
     drafter.setup_caches(1, T + max_new + spec.steps * spec.topk + 2)
     sampled = temperature > 0
     drawn = spec.draws_at(temperature) == "sample"  # children drawn from the drafter, which needs uniforms
@@ -1032,7 +1071,7 @@ def decode_tree(model: Transformer, drafter: Eagle3Drafter, prompt: torch.Tensor
     u_shape = (spec.steps, spec.topk, drafter.cfg.draft_vocab_size)
     sync(dev)
     t0 = time.perf_counter()
-    pending, first = prefill(model, prompt, drafter.cfg.aux_layer_ids, temperature, top_p, generator)
+    pending, first = prefill(model, prompt, drafter.cfg.aux_layer_ids, temperature, top_p, generator, graphs)
     h = drafter(torch.cat([prompt[0, 1:], pending])[None], drafter.fuse(first.aux), torch.arange(T, device=dev))[:, -1:]
     sync(dev)
     gen = Generation([int(pending)], 0.0, time.perf_counter() - t0)

@@ -118,6 +118,55 @@ def test_greedy_agreement_counts_the_tokens_greedy_decoding_would_pick(target):
     assert greedy_agreement(target, prompt, wrong) == 23
 
 
+@pytest.mark.parametrize("T", [5, 8, 13, 20], ids=["shorter", "one-chunk", "padded", "two-chunks-padded"])
+def test_chunked_prefill_equals_one_pass_and_its_padding_is_never_read(target, T):
+    """run_prompt in passes of 8 tokens (the last padded) gives the one-pass prefill's outputs and cache
+    slots, and a decode step after it (reading the cache up to its own slot, with pad rows written past
+    the prompt) gives the one-pass step's hidden state: the padding is overwritten or never seen."""
+    from draftsmith.decode import run_prompt
+
+    prompt = torch.randint(3, 320, (1, T), generator=torch.Generator().manual_seed(T))
+    nxt = torch.tensor([[7]])
+    runs = {}
+    for chunk in (0, 8):
+        graphs = Graphs(False, prefill_chunk=chunk)
+        target.setup_caches(1, 64)
+        out = run_prompt(target, prompt, (1, 2), graphs)
+        cache = [(a.kv_cache.k[:, :, :T].clone(), a.kv_cache.v[:, :, :T].clone()) for a in (l.self_attn for l in target.layers)]
+        step = target(nxt, torch.tensor([T])).hidden
+        runs[chunk] = (out, cache, step)
+    (one, cache1, step1), (chunked, cache8, step8) = runs[0], runs[8]
+    assert chunked.hidden.shape == one.hidden.shape == (1, T, target.args.hidden_size)
+    torch.testing.assert_close(chunked.hidden, one.hidden, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(chunked.aux, one.aux, rtol=1e-5, atol=1e-5)
+    for (k1, v1), (k8, v8) in zip(cache1, cache8):
+        torch.testing.assert_close(k8, k1, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(v8, v1, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(step8, step1, rtol=1e-5, atol=1e-5)
+
+
+def test_speculation_after_a_chunked_prefill_equals_plain_decoding(target):
+    """Every decoder on prompts prefilled in padded 8-token passes (as CUDA graphs run them, in 256)
+    decodes what plain greedy decoding does, and plain decoding what it does after a one-pass prefill;
+    the caches are sized for the padding (cache_slots), here where the prompt needs more than decoding."""
+    from draftsmith.decode import cache_slots
+
+    drafter = tiny_drafter(target, draft_vocab=200)
+    graphs = Graphs(False, prefill_chunk=8)
+    assert cache_slots(target, graphs, 13, 15) == 16 and cache_slots(target, Graphs(False), 13, 15) == 15
+    for seed, T in ((0, 13), (1, 17)):
+        prompt = torch.randint(3, 320, (1, T), generator=torch.Generator().manual_seed(seed))
+        target.layers[0].self_attn.kv_cache = None  # fresh caches: decode_plain sizes them for 2 new tokens
+        target.max_len = 0
+        short = decode_plain(target, prompt, 2, graphs=graphs)
+        assert target.max_len >= -(-T // 8) * 8  # room for the padded last pass, beyond T + 2 + 1
+        plain = decode_plain(target, prompt, 30)
+        assert short.tokens == plain.tokens[:2]
+        assert decode_plain(target, prompt, 30, graphs=graphs).tokens == plain.tokens
+        assert decode_chain(target, drafter, prompt, 30, 3, graphs=graphs).tokens == plain.tokens
+        assert decode_tree(target, drafter, prompt, 30, TreeSpec(2, 3, 4), graphs=graphs).tokens == plain.tokens
+
+
 # --------------------------------------------------------------------------- trees
 
 from draftsmith.decode import (DraftTree, TreeSpec, accept_on_device, accept_tree_greedy, ancestors,  # noqa: E402
@@ -366,6 +415,31 @@ def test_device_steps_trace_as_one_graph(target):
             assert out[0].shape == (min(spec.steps, spec.nodes) + 2,)
     finally:
         torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_captured_prefill_on_cuda_equals_one_eager_pass():
+    """On CUDA prompts are prefilled in captured 256-token passes: a 300-token prompt (two passes, the
+    second mostly padding) gives the eager pass's outputs (fp32) and plain and speculative decoding after
+    it what they give after the eager pass."""
+    from draftsmith.cudagraph import Graphs
+    from draftsmith.decode import run_prompt
+
+    target = tiny_native().cuda()
+    drafter = tiny_drafter(target, draft_vocab=200).cuda()
+    prompt = torch.randint(3, 320, (1, 300), generator=torch.Generator().manual_seed(6)).cuda()
+    graphs, one_pass = Graphs(True), Graphs(True, prefill_chunk=0)
+    assert graphs.prefill_chunk == 256
+    target.setup_caches(1, 512)  # its max_position_embeddings: room for two 256-token passes
+    outs = [run_prompt(target, prompt, (1, 2), g) for g in (one_pass, graphs, graphs)]  # the last one replays
+    for out in outs[1:]:
+        torch.testing.assert_close(out.hidden, outs[0].hidden, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(out.aux, outs[0].aux, rtol=1e-4, atol=1e-4)
+    plain = decode_plain(target, prompt, 40, graphs=one_pass)
+    assert decode_plain(target, prompt, 40, graphs=graphs).tokens == plain.tokens
+    assert decode_chain(target, drafter, prompt, 40, 3, graphs=graphs).tokens == plain.tokens
+    assert decode_tree(target, drafter, prompt, 40, TreeSpec(4, 5, 16), graphs=graphs).tokens == plain.tokens
 
 
 @pytest.mark.gpu
@@ -798,7 +872,7 @@ class CaptureRules(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         masked = name == "index" and any(i is not None and i.dtype == torch.bool for i in args[1])
-        if name in ("_local_scalar_dense", "nonzero") or masked or torch.Tag.nondeterministic_seeded in func.tags:
+        if name in ("_local_scalar_dense", "nonzero") or masked or draws(func, args, kwargs or {}):
             raise AssertionError(f"{func} inside a captured step")
         return func(*args, **(kwargs or {}))
 
@@ -812,17 +886,31 @@ class CaptureRules(TorchDispatchMode):
         return super().__exit__(*exc)
 
 
+def draws(func, args, kwargs) -> bool:
+    """Whether an op draws random numbers: a seeded op, unless it is one whose only draw is dropout and
+    its dropout_p is 0 (SDPA, as the captured prefill runs it)."""
+    if torch.Tag.nondeterministic_seeded not in func.tags:
+        return False
+    names = [a.name for a in func._schema.arguments]
+    if "dropout_p" not in names:
+        return True
+    i = names.index("dropout_p")
+    return kwargs.get("dropout_p", args[i] if i < len(args) else 0.0) != 0
+
+
 def no_tolist(tensor):
     raise AssertionError("tolist inside a captured step")
 
 
 def test_capture_rules_catch_host_reads_and_random_draws():
     graphs, x = CapturedOnCPU(), torch.ones(1, 3)
+    q = torch.ones(1, 1, 2, 4)
     for i, step in enumerate([lambda x: x.sum().item() * x, lambda x: torch.multinomial(x, 1), lambda x: x.tolist(),
-                              lambda x: x[x > 0]]):
+                              lambda x: x[x > 0], lambda x: torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=0.5)]):
         with pytest.raises(AssertionError):
             graphs(("bad", i), step, x)
     assert torch.equal(graphs(("good",), lambda x: probs(x, 1.0, 0.9).argmax(-1), x), torch.zeros(1, dtype=torch.long))
+    assert graphs(("no dropout",), lambda x: torch.nn.functional.scaled_dot_product_attention(q, q, q) * x[0, 0], x).shape == q.shape
 
 
 def test_captured_sampling_steps_decode_as_eager(one_thread, target):
@@ -849,7 +937,7 @@ def test_captured_sampling_steps_decode_as_eager(one_thread, target):
         runs = [decode_tree_sampled(target, drafter, prompt, 30, TreeSpec(3, 3, 6, draws), 0.8, 0.9,
                                     generator=torch.Generator().manual_seed(0), graphs=g) for g in (None, graphs)]
         assert runs[0].tokens == runs[1].tokens and runs[0].accept_lengths == runs[1].accept_lengths
-    assert {key[0] for key in graphs.entries} == {"plain_loop", "tree-draft", "tree-verify"}
+    assert {key[0] for key in graphs.entries} == {"prefill", "plain_loop", "tree-draft", "tree-verify"}  # prompts in captured passes
     assert {key[1].draws for key in graphs.entries if key[0] == "tree-verify"} == {"sample", "top"}
 
 
