@@ -14,10 +14,12 @@
 #   BENCH_GGUF=/tmp/SmolLM2-135M-Instruct.Q4_1.gguf bash benchmarks/device_bg.sh start bash benchmarks/engine_session.sh /tmp/pipe/out
 # then in later calls:  bash benchmarks/device_bg.sh wait 540 /tmp/pipe/out/done
 #                       bash benchmarks/device_bg.sh fetch steps.txt pytest-gpu-decode.txt engine.json bench/bench.json pytest-gpu.txt
-# usage: bash benchmarks/engine_session.sh OUT [VARIANTS]
+# usage: bash benchmarks/engine_session.sh OUT [VARIANTS] [SWEEP]
 set -uo pipefail
-out=${1:?usage: engine_session.sh OUT [VARIANTS]}
-variants=${2:-compiled,triton,triton_pdl,triton_ksplit2,triton_pdl_ksplit2,triton_pdl_ksplit4,triton_pdl_ksplit4_pairs32_split64}
+out=${1:?usage: engine_session.sh OUT [VARIANTS] [SWEEP]}
+variants=${2:-compiled,triton,triton_pdl,triton_ksplit2,triton_pdl_ksplit2,triton_pdl_ksplit4,triton_pdl_ksplit4_pairs32_split64,triton_sweep}
+# triton_sweep's grid (h200_run.py --sweep): 16 tunings around the H100's fastest 8B one (cols=16 and merge_last were slower there)
+sweep=${3:-"bk_max=256;pairs=16,32;split=64,256;ksplit=1,4;pdl=0,1"}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
 step() {  # step NAME SECONDS CMD...: runs CMD, records its exit status and wall time in OUT/steps.txt
@@ -32,7 +34,7 @@ echo "commit ${DRAFTSMITH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)} $(d
 step pytest-gpu-decode 300 bash -c "set -o pipefail; python3 -m pytest -q -m gpu tests/test_decode.py -rA -p no:logging 2>&1 \
   | tee '$out/pytest-gpu-decode.txt'"
 step engine 600 python3 benchmarks/h200_run.py engine --sections smollm2_shape,llama8b_shape --variants "$variants" \
-  --rows 1,6,8,49 --out "$out"
+  --sweep "$sweep" --rows 1,6,8,49 --out "$out"
 if [ -n "${BENCH_GGUF:-}" ]; then
   # the fastest variant that reproduces the plain model, by the SmolLM2 shape's plain tok/s (Triton ones only: the
   # bench's --engine) and by the 8B shape's (any); triton and compiled where engine.json has none
@@ -50,7 +52,7 @@ EOF
 )
   variants8b=compiled; [ "$best8b" != compiled ] && variants8b="compiled,$best8b"
   t1=--no-t1; [ "${BENCH_T1:-0}" = 1 ] && t1="--t1"
-  step "bench-$engine" 600 python3 benchmarks/h200_run.py bench --gguf "$BENCH_GGUF" --data "${BENCH_DATA:-/tmp/data}" \
+  step "bench-$engine" 600 python3 benchmarks/h200_run.py bench --sweep "$sweep" --gguf "$BENCH_GGUF" --data "${BENCH_DATA:-/tmp/data}" \
     --drafter draftsmith/assets/drafter --engine "$engine" --variants "$variants8b" --ttt-paths train_8b,train_8b_flex \
     $t1 --hf --with-8b --out "$out/bench"
 fi

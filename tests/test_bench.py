@@ -81,8 +81,8 @@ def test_bench_config_names_bad_kernel_choices():
 
 
 def test_the_device_jobs_default_sweep_and_variants_are_ones_the_scripts_take():
-    """engine_session.sh's defaults reach the device untried: its tree_cycle variants must be known to
-    h200_run.TRITON_VARIANTS (or 'compiled'), and its 8B sweep must parse into valid kernels.Tuning values
+    """engine_session.sh's defaults reach the device untried: its engine variants must be ones h200_run.py
+    knows (ENGINE_VARIANTS or TRITON_VARIANTS), and its 8B sweep must parse into valid kernels.Tuning values
     of the fields' own types (switches as bools), every combination of them a Tuning. A field that is not
     one is refused by name, before any GPU time."""
     import importlib.util
@@ -98,7 +98,7 @@ def test_the_device_jobs_default_sweep_and_variants_are_ones_the_scripts_take():
     spec.loader.exec_module(h200)
     script = (root / "benchmarks" / "engine_session.sh").read_text()
     variants = re.search(r"variants=\$\{2:-([^}]+)\}", script).group(1).split(",")
-    assert all(v == "compiled" or v in h200.TRITON_VARIANTS for v in variants), variants
+    assert all(v in h200.ENGINE_VARIANTS or v in h200.TRITON_VARIANTS for v in variants), variants
     grid = h200.parse_sweep(re.search(r'sweep=\$\{3:-"([^"]+)"\}', script).group(1))
     assert all(isinstance(v, type(getattr(Tuning(), k))) for k, vs in grid.items() for v in vs)
     assert len([Tuning(**dict(zip(grid, values))) for values in itertools.product(*grid.values())]) >= 16
