@@ -138,7 +138,6 @@ def cut_at_eos(tokens: list[int], eos_ids) -> list[int]:
     return tokens
 
 
-@torch.no_grad()
 def cache_slots(model: Transformer, graphs: Graphs, T: int, need: int) -> int:
     """KV cache slots for a prompt of T tokens and `need` slots of decoding: also room for the padding of
     the prompt's last prefill pass (run_prompt), unless that would pass the model's position limit."""
@@ -179,6 +178,7 @@ def run_prompt(model: Transformer, prompt: torch.Tensor, capture=(), graphs: Gra
     return TargetOutput(hidden, aux)
 
 
+@torch.no_grad()
 def prefill(model: Transformer, prompt: torch.Tensor, capture=(), temperature: float = 0.0, top_p: float = 1.0,
             generator=None, graphs: Graphs | None = None):
     """prompt: (1, T). Returns the first new token (greedy, or sampled at temperature > 0) and the
