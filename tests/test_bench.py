@@ -106,6 +106,29 @@ def test_the_device_jobs_default_sweep_and_variants_are_ones_the_scripts_take():
         h200.parse_sweep("bk_max=256;no_such_field=1")
 
 
+def test_the_device_job_benches_the_fastest_engine_variant_that_matches_the_plain_model(tmp_path):
+    """engine_session.sh picks the bench's engines from its engine.json: the SmolLM2 shape's fastest Triton
+    variant (the bench's --engine takes no other) and the 8B shape's fastest of any, skipping a faster one
+    that does not reproduce the plain model; triton and compiled when the step left no file."""
+    import json
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = (Path(__file__).parents[1] / "benchmarks" / "engine_session.sh").read_text()
+    pick = re.search(r"<<'EOF'\n(.*?)\nEOF\n", script, re.S).group(1)
+    row = lambda tok_s, ok=True: {"tok_s": tok_s, "matches_reference": ok}  # noqa: E731
+    engine = {"smollm2_shape": {"compiled": row(900), "triton": row(1000), "triton_pdl": row(1100),
+                                "triton_pdl_ksplit4": row(1300, ok=False), "floor_tok_s": 5000},
+              "llama8b_shape": {"compiled": row(208), "triton": row(200), "triton_sweep": row(230, ok=False)}}
+    (tmp_path / "engine.json").write_text(json.dumps(engine))
+    run = lambda f: subprocess.run([sys.executable, "-", str(f)], input=pick, capture_output=True, text=True,  # noqa: E731
+                                   check=True).stdout.split()
+    assert run(tmp_path / "engine.json") == ["triton_pdl", "compiled"]
+    assert run(tmp_path / "missing.json") == ["triton", "compiled"]
+
+
 def test_the_device_benchs_sampled_trees_parse_into_tree_specs():
     """h200_run.py bench --sampled-trees: a way of drafting for the bench's own tree, a shape, or both;
     an unknown way is refused by TreeSpec before any GPU time."""
