@@ -497,6 +497,10 @@ def engine_speed(model: Transformer, bw: float, label: str, variants=ENGINE_VARI
             v["verify8_over_step"] = round(v["step_T8_ms"] / v["step_T1_ms"], 3)
             step, tok1 = target_step(model), torch.zeros(1, 1, dtype=torch.long, device="cuda")
             v["profile_T1"] = kernel_profile(lambda: graphs(("plain", 1), step, tok1, pos))
+            wide = max(rows)  # where a tree's verify pass spends its time, kernel by kernel (attention vs matmuls)
+            if wide > 8:
+                tokw = torch.zeros(1, wide, dtype=torch.long, device="cuda")
+                v[f"profile_T{wide}"] = kernel_profile(lambda: graphs(("plain", wide), step, tokw, pos))
             v["achieved_TBs"] = round(weight_bytes / (v["step_T1_ms"] / 1e3) / 1e12, 3)
         except Exception as e:  # noqa: BLE001 - recorded; the next variant still runs
             v = {"error": repr(e)[:500]}
