@@ -589,7 +589,7 @@ def bench_smollm2_shape(a, res):
 TTT_PATHS = {  # section -> ttt_loss options: what training runs on CUDA now, and the paths it replaced
     "train_8b": {},  # target log-probs once per pack, compiled KL, TTT attention "auto" (split on CUDA)
     "train_8b_split": {"attn_impl": "split"},  # flex over step 0's keys, the later steps' own keys merged in
-    "train_8b_flex": {"attn_impl": "flex"},  # compiled flex over every step's keys ("auto" on CUDA before 3ff982a's successor)
+    "train_8b_flex": {"attn_impl": "flex"},  # compiled flex over every step's keys ("auto" on CUDA before 51f596f)
     "train_8b_eager": {"attn_impl": "eager"},  # materialised attention (train_8b_flex before flex was the default)
     "train_8b_old": {"attn_impl": "eager", "target_cache_mb": 0, "compile_loss": False},  # as before this session
 }

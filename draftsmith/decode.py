@@ -138,13 +138,16 @@ def cut_at_eos(tokens: list[int], eos_ids) -> list[int]:
     return tokens
 
 
+def prompt_slots(graphs: Graphs, T: int) -> int:
+    """Cache slots run_prompt writes for a prompt of T tokens: T rounded up to whole prefill passes."""
+    c = graphs.prefill_chunk
+    return -(-T // c) * c if c else T
+
+
 def cache_slots(model: Transformer, graphs: Graphs, T: int, need: int) -> int:
     """KV cache slots for a prompt of T tokens and `need` slots of decoding: also room for the padding of
     the prompt's last prefill pass (run_prompt), unless that would pass the model's position limit."""
-    c = graphs.prefill_chunk
-    if not c:
-        return need
-    padded = -(-T // c) * c
+    padded = prompt_slots(graphs, T)
     return max(need, padded) if padded <= model.args.max_position_embeddings else need
 
 
@@ -160,19 +163,19 @@ def run_prompt(model: Transformer, prompt: torch.Tensor, capture=(), graphs: Gra
     the padding (cache_slots sizes it)."""
     graphs = graphs or eager()
     T, dev, c = prompt.shape[1], prompt.device, graphs.prefill_chunk
-    n = -(-T // c) if c else 0
-    if not c or n * c > model.max_len:
+    padded = prompt_slots(graphs, T)
+    if not c or padded > model.max_len:
         return model(prompt, torch.arange(T, device=dev), capture=capture)
 
     def chunk(tokens, pos):  # (1, c) tokens at slots pos..pos+c-1
         out = model(tokens, pos + torch.arange(c, device=dev), capture=capture)
         return out.hidden, out.aux
 
-    tokens = torch.cat([prompt, prompt[:, -1:].expand(1, n * c - T)], dim=1)
+    tokens = torch.cat([prompt, prompt[:, -1:].expand(1, padded - T)], dim=1)
     key = ("prefill", c, tuple(capture), id(model), model.max_len)  # a graph bakes in the cache buffers
-    starts = torch.arange(0, n * c, c, device=dev)  # made on the device: no host copy a pass
-    parts = [[t.clone() if t is not None else None for t in graphs(key, chunk, tokens[:, i * c:(i + 1) * c], starts[i:i + 1])]
-             for i in range(n)]  # each replay overwrites the graph's outputs: keep a copy
+    starts = torch.arange(0, padded, c, device=dev)  # made on the device: no host copy a pass
+    parts = [[t.clone() if t is not None else None for t in graphs(key, chunk, tokens[:, i:i + c], starts[i // c:i // c + 1])]
+             for i in range(0, padded, c)]  # each replay overwrites the graph's outputs: keep a copy
     hidden = torch.cat([h for h, _ in parts], dim=1)[:, :T]
     aux = torch.cat([a for _, a in parts], dim=1)[:, :T] if capture else None
     return TargetOutput(hidden, aux)

@@ -59,10 +59,11 @@ class Tuning:
     up to four row tiles from one weight read (a 49-row pass 2.19 ms against 1.32), RMSNorm folded into
     the matmul's pass over x (8B step 7.75 against 5.07 ms) and the split's merge done by o_proj (SmolLM2
     step 1.31 against 0.90 ms). On an H100 (logs/tree-cycle-h100-7318e6b.json, SmolLM2 shape): merge_last
-    made the step slower (0.916 against 0.898 ms), so off; pdl faster (0.788), but off until the real
-    model's bf16 tree passes the bench with it (it failed before _pdl turned off under torch.compile).
-    Not yet timed: ksplit (off), and head (on, so that a token's logits do not depend on its pass; its
-    speed against cuBLAS is unmeasured)."""
+    made the step slower (0.916 against 0.898 ms), so off. pdl made it faster (0.788), and on the real model
+    (logs/h100-bench-triton-pdl-3ff982a.json) plain decoding 7% faster but the tree's verify passes 9% slower,
+    so off. ksplit: the 8B shape's fastest tuning on the H100 has ksplit=4 with pdl (5.80 ms against the
+    default's 6.19, logs/engine-8b-sweep-h100-3ff982a.json); untimed on SmolLM2's shape and on the H200, so
+    off. head (on, so that a token's logits do not depend on its pass): its speed against cuBLAS is unmeasured."""
     bk_max: int = 256  # reduction tile: K rounded up to a power of 2, at most this
     slots: int = 128  # attention: cache slots a step
     warps: int = 4
@@ -659,8 +660,9 @@ def _unused(like: torch.Tensor) -> torch.Tensor:
     another argument of the same launch. torch.compile's functional form of a kernel call clones each
     written argument separately and writes each clone back, so a written tensor passed twice gets the
     untouched clone back when torch cannot tell which arguments the kernel writes (as with Tuning.pdl's
-    inline assembly before _pdl turned it off under tracing: the likely cause of the bf16 tree's 55% greedy
-    agreement on the H100, logs/h100-bench-triton-pdl-7318e6b.json)."""
+    inline assembly before _pdl turned it off under tracing: the bf16 tree's 55% greedy agreement on the
+    H100, logs/h100-bench-triton-pdl-7318e6b.json; 100% since, logs/h100-bench-triton-pdl-3ff982a.json).
+    A fresh tensor per argument: one shared stand-in would be two arguments again."""
     return torch.empty(1, dtype=like.dtype, device=like.device)
 
 
