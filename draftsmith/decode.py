@@ -147,6 +147,8 @@ def prompt_slots(graphs: Graphs, T: int) -> int:
 def cache_slots(model: Transformer, graphs: Graphs, T: int, need: int) -> int:
     """KV cache slots for a prompt of T tokens and `need` slots of decoding: also room for the padding of
     the prompt's last prefill pass (run_prompt), unless that would pass the model's position limit."""
+    if not graphs.prefill_chunk:  # one eager pass: nothing to pad (and no model.args read)
+        return need
     padded = prompt_slots(graphs, T)
     return max(need, padded) if padded <= model.args.max_position_embeddings else need
 
