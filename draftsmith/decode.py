@@ -144,13 +144,29 @@ def prompt_slots(graphs: Graphs, T: int) -> int:
     return -(-T // c) * c if c else T
 
 
-def cache_slots(model: Transformer, graphs: Graphs, T: int, need: int) -> int:
+def cache_slots(module, graphs: Graphs, T: int, need: int) -> int:
     """KV cache slots for a prompt of T tokens and `need` slots of decoding: also room for the padding of
-    the prompt's last prefill pass (run_prompt), unless that would pass the model's position limit."""
-    if not graphs.prefill_chunk:  # one eager pass: nothing to pad (and no model.args read)
+    the prompt's last prefill pass (run_prompt, draft_prompt), unless that would pass the position limit
+    of `module` (the target or the drafter)."""
+    if not graphs.prefill_chunk:  # one eager pass: nothing to pad (and no config read)
         return need
     padded = prompt_slots(graphs, T)
-    return max(need, padded) if padded <= model.args.max_position_embeddings else need
+    limit = (module.args if hasattr(module, "args") else module.cfg).max_position_embeddings
+    return max(need, padded) if padded <= limit else need
+
+
+def in_passes(graphs: Graphs, key, fn, T: int, *rows: torch.Tensor) -> list:
+    """fn(*row chunks, start) over the T rows of `rows` (each (1, T, ...)) in passes of
+    graphs.prefill_chunk rows, each a replay of the graph captured under `key`; the last pass is padded
+    with copies of the last row. fn returns a tuple of (1, chunk, ...) tensors (or None): the passes'
+    outputs, joined and cut back to T rows."""
+    c = graphs.prefill_chunk
+    padded = prompt_slots(graphs, T)
+    rows = [torch.cat([r, r[:, -1:].expand(r.shape[0], padded - T, *r.shape[2:])], dim=1) for r in rows]
+    starts = torch.arange(0, padded, c, device=rows[0].device)  # made on the device: no host copy a pass
+    parts = [[t.clone() if t is not None else None for t in graphs(key, fn, *(r[:, i:i + c] for r in rows), starts[i // c:i // c + 1])]
+             for i in range(0, padded, c)]  # each replay overwrites the graph's outputs: keep a copy
+    return [torch.cat(col, dim=1)[:, :T] if col[0] is not None else None for col in zip(*parts)]
 
 
 @torch.no_grad()
@@ -165,22 +181,36 @@ def run_prompt(model: Transformer, prompt: torch.Tensor, capture=(), graphs: Gra
     the padding (cache_slots sizes it)."""
     graphs = graphs or eager()
     T, dev, c = prompt.shape[1], prompt.device, graphs.prefill_chunk
-    padded = prompt_slots(graphs, T)
-    if not c or padded > model.max_len:
+    if not c or prompt_slots(graphs, T) > model.max_len:
         return model(prompt, torch.arange(T, device=dev), capture=capture)
 
-    def chunk(tokens, pos):  # (1, c) tokens at slots pos..pos+c-1
-        out = model(tokens, pos + torch.arange(c, device=dev), capture=capture)
+    def chunk(tokens, start):  # (1, c) tokens at slots start..start+c-1
+        out = model(tokens, start + torch.arange(c, device=dev), capture=capture)
         return out.hidden, out.aux
 
-    tokens = torch.cat([prompt, prompt[:, -1:].expand(1, padded - T)], dim=1)
     key = ("prefill", c, tuple(capture), id(model), model.max_len)  # a graph bakes in the cache buffers
-    starts = torch.arange(0, padded, c, device=dev)  # made on the device: no host copy a pass
-    parts = [[t.clone() if t is not None else None for t in graphs(key, chunk, tokens[:, i:i + c], starts[i // c:i // c + 1])]
-             for i in range(0, padded, c)]  # each replay overwrites the graph's outputs: keep a copy
-    hidden = torch.cat([h for h, _ in parts], dim=1)[:, :T]
-    aux = torch.cat([a for _, a in parts], dim=1)[:, :T] if capture else None
-    return TargetOutput(hidden, aux)
+    return TargetOutput(*in_passes(graphs, key, chunk, T, prompt))
+
+
+@torch.no_grad()
+def draft_prompt(drafter: Eagle3Drafter, tokens: torch.Tensor, aux: torch.Tensor, graphs: Graphs | None = None) -> torch.Tensor:
+    """The drafter over a prompt's rows into its cache slots 0..T-1: tokens (1, T) are the prompt's
+    tokens 1..T-1 and the first new one, aux (1, T, 3Ht) the target's features over the prompt (row r
+    reads features r and token r + 1). Returns the last row's output (1, 1, H), which the first drafting
+    step reads. Under CUDA graphs in padded passes like run_prompt (its pad rows write drafter slots
+    that drafting overwrites before reading): an eager pass at a new prompt length met a new attention
+    plan (the H100 bench at 5f0f461: the chain, first to run the drafter at each length, took 2.69 s of
+    prefill for 80 MT-bench prompts, the tree after it 0.32 s)."""
+    graphs = graphs or eager()
+    T, dev, c = tokens.shape[1], tokens.device, graphs.prefill_chunk
+    if not c or prompt_slots(graphs, T) > drafter.max_len:
+        return drafter(tokens, drafter.fuse(aux), torch.arange(T, device=dev))[:, -1:]
+
+    def chunk(toks, feats, start):
+        return (drafter(toks, drafter.fuse(feats), start + torch.arange(c, device=dev)),)
+
+    key = ("draft_prompt", c, id(drafter), drafter.max_len)
+    return in_passes(graphs, key, chunk, T, tokens, aux)[0][:, -1:]
 
 
 @torch.no_grad()
@@ -321,19 +351,16 @@ def decode_chain(model: Transformer, drafter: Eagle3Drafter, prompt: torch.Tenso
     T = prompt.shape[1]
     capture = drafter.cfg.aux_layer_ids
     model.setup_caches(1, cache_slots(model, graphs, T, T + max_new + 2 * k + 2))
-    drafter.setup_caches(1, T + max_new + 2 * k + 2)
+    drafter.setup_caches(1, cache_slots(drafter, graphs, T, T + max_new + 2 * k + 2))
     verify, chain, rows = target_step(model, capture), drafter.compiled(draft_chain(drafter, k)), drafter.compiled(drafter_rows(drafter))
     keys = (id(model), model.max_len, id(drafter), drafter.max_len)  # a graph bakes in modules and cache buffers
     sync(dev)
     t0 = time.perf_counter()
     pending, first = prefill(model, prompt, capture, graphs=graphs)
-    # drafter rows 0..T-1 read (features r, token r+1); the last row's token is the new one
-    row_tokens = torch.cat([prompt[0, 1:], pending])[None]
-    h = drafter(row_tokens, drafter.fuse(first.aux), torch.arange(T, device=dev))
+    h = draft_prompt(drafter, torch.cat([prompt[0, 1:], pending])[None], first.aux, graphs)
     sync(dev)
     gen = Generation([int(pending)], 0.0, time.perf_counter() - t0)
     pos = torch.tensor([T], device=dev)
-    h = h[:, -1:]
     while not finish(gen.tokens, max_new, eos_ids)[1]:
         d0 = mark(dev)  # device-timeline marks: the verify is queued behind the draft with no sync between
         drafts = graphs(("chain", k, *keys), chain, h, pos).clone()
@@ -410,7 +437,7 @@ def decode_chain_sampled(model: Transformer, drafter: Eagle3Drafter, prompt: tor
     sync(dev)
     t0 = time.perf_counter()
     pending, out = prefill(model, prompt, capture, temperature, top_p, generator)
-    h = drafter(torch.cat([prompt[0, 1:], pending])[None], drafter.fuse(out.aux), torch.arange(T, device=dev))[:, -1:]
+    h = draft_prompt(drafter, torch.cat([prompt[0, 1:], pending])[None], out.aux)
     gen = Generation([int(pending)], 0.0, time.perf_counter() - t0)
     pos = torch.tensor([T], device=dev)
     while not finish(gen.tokens, max_new, eos_ids)[1]:
@@ -757,11 +784,11 @@ def tree_loop(model: Transformer, drafter: Eagle3Drafter, prompt: torch.Tensor, 
     sampling = dict(temperature=temperature, top_p=top_p, generator=generator)
     drafting = sampling if spec.draws_at(temperature) == "sample" else dict(sampling, temperature=0.0)
     model.setup_caches(1, cache_slots(model, graphs, T, T + max_new + spec.num_draft_tokens + 2))
-    drafter.setup_caches(1, T + max_new + spec.steps * spec.topk + 2)
+    drafter.setup_caches(1, cache_slots(drafter, graphs, T, T + max_new + spec.steps * spec.topk + 2))
     sync(dev)
     t0 = time.perf_counter()
     pending, first = prefill(model, prompt, capture, **sampling, graphs=graphs)
-    h = drafter(torch.cat([prompt[0, 1:], pending])[None], drafter.fuse(first.aux), torch.arange(T, device=dev))
+    h = draft_prompt(drafter, torch.cat([prompt[0, 1:], pending])[None], first.aux, graphs)
     sync(dev)
     gen = Generation([int(pending)], 0.0, time.perf_counter() - t0)
     pos = T
@@ -1060,7 +1087,7 @@ def decode_tree(model: Transformer, drafter: Eagle3Drafter, prompt: torch.Tensor
     graphs = graphs or eager()
     dev, T = prompt.device, prompt.shape[1]
     model.setup_caches(1, cache_slots(model, graphs, T, T + max_new + spec.num_draft_tokens + 2))
-    drafter.setup_caches(1, T + max_new + spec.steps * spec.topk + 2)
+    drafter.setup_caches(1, cache_slots(drafter, graphs, T, T + max_new + spec.steps * spec.topk + 2))
     sampled = temperature > 0
     drawn = spec.draws_at(temperature) == "sample"  # children drawn from the drafter, which needs uniforms
     if drawn:
@@ -1077,7 +1104,7 @@ def decode_tree(model: Transformer, drafter: Eagle3Drafter, prompt: torch.Tensor
     sync(dev)
     t0 = time.perf_counter()
     pending, first = prefill(model, prompt, drafter.cfg.aux_layer_ids, temperature, top_p, generator, graphs)
-    h = drafter(torch.cat([prompt[0, 1:], pending])[None], drafter.fuse(first.aux), torch.arange(T, device=dev))[:, -1:]
+    h = draft_prompt(drafter, torch.cat([prompt[0, 1:], pending])[None], first.aux, graphs)
     sync(dev)
     gen = Generation([int(pending)], 0.0, time.perf_counter() - t0)
     pos = torch.tensor([T], device=dev)

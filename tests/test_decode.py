@@ -145,6 +145,31 @@ def test_chunked_prefill_equals_one_pass_and_its_padding_is_never_read(target, T
     torch.testing.assert_close(step8, step1, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("T", [5, 13, 20], ids=["shorter", "padded", "two-chunks-padded"])
+def test_drafters_chunked_prompt_pass_equals_one_pass_and_its_padding_is_never_read(target, T):
+    """draft_prompt in passes of 8 rows (the last padded) gives the one-pass output of the last row and
+    the same drafter cache slots 0..T-1, and drafting after it (slot T on, reading slots <= its own)
+    gives what it gives after one pass: the pad rows' slots are overwritten before they are read."""
+    from draftsmith.decode import draft_chain, draft_prompt
+
+    drafter = tiny_drafter(target, draft_vocab=200)
+    g = torch.Generator().manual_seed(T)
+    tokens = torch.randint(3, 320, (1, T), generator=g)
+    aux = torch.randn(1, T, 3 * target.args.hidden_size, generator=g)
+    runs = {}
+    for chunk in (0, 8):
+        drafter.setup_caches(1, 64)
+        h = draft_prompt(drafter, tokens, aux, Graphs(False, prefill_chunk=chunk))
+        cache = drafter.midlayer.self_attn.kv_cache
+        drafts = draft_chain(drafter, 4)(h, torch.tensor([T]))
+        runs[chunk] = h, cache.k[:, :, :T].clone(), cache.v[:, :, :T].clone(), drafts
+    (h1, k1, v1, d1), (h8, k8, v8, d8) = runs[0], runs[8]
+    assert h8.shape == h1.shape == (1, 1, drafter.cfg.hidden_size)
+    for a, b in ((h8, h1), (k8, k1), (v8, v1)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert d8.tolist() == d1.tolist()
+
+
 def test_speculation_after_a_chunked_prefill_equals_plain_decoding(target):
     """Every decoder on prompts prefilled in padded 8-token passes (as CUDA graphs run them, in 256)
     decodes what plain greedy decoding does, and plain decoding what it does after a one-pass prefill;
@@ -421,10 +446,10 @@ def test_device_steps_trace_as_one_graph(target):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_captured_prefill_on_cuda_equals_one_eager_pass():
     """On CUDA prompts are prefilled in captured 256-token passes: a 300-token prompt (two passes, the
-    second mostly padding) gives the eager pass's outputs (fp32) and plain and speculative decoding after
-    it what they give after the eager pass."""
+    second mostly padding) gives the eager pass's outputs (fp32), the drafter's prompt pass likewise, and
+    plain and speculative decoding after them what they give after eager passes."""
     from draftsmith.cudagraph import Graphs
-    from draftsmith.decode import run_prompt
+    from draftsmith.decode import draft_prompt, run_prompt
 
     target = tiny_native().cuda()
     drafter = tiny_drafter(target, draft_vocab=200).cuda()
@@ -436,6 +461,11 @@ def test_captured_prefill_on_cuda_equals_one_eager_pass():
     for out in outs[1:]:
         torch.testing.assert_close(out.hidden, outs[0].hidden, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(out.aux, outs[0].aux, rtol=1e-4, atol=1e-4)
+    drafter.setup_caches(1, 512)
+    rows = torch.cat([prompt[0, 1:], prompt[0, :1]])[None]
+    h_one = draft_prompt(drafter, rows, outs[0].aux, one_pass)
+    for _ in range(2):  # captured, then replayed: the drafter's prompt pass in 256-row passes
+        torch.testing.assert_close(draft_prompt(drafter, rows, outs[0].aux, graphs), h_one, rtol=1e-4, atol=1e-4)
     plain = decode_plain(target, prompt, 40, graphs=one_pass)
     assert decode_plain(target, prompt, 40, graphs=graphs).tokens == plain.tokens
     assert decode_chain(target, drafter, prompt, 40, 3, graphs=graphs).tokens == plain.tokens
@@ -937,7 +967,7 @@ def test_captured_sampling_steps_decode_as_eager(one_thread, target):
         runs = [decode_tree_sampled(target, drafter, prompt, 30, TreeSpec(3, 3, 6, draws), 0.8, 0.9,
                                     generator=torch.Generator().manual_seed(0), graphs=g) for g in (None, graphs)]
         assert runs[0].tokens == runs[1].tokens and runs[0].accept_lengths == runs[1].accept_lengths
-    assert {key[0] for key in graphs.entries} == {"prefill", "plain_loop", "tree-draft", "tree-verify"}  # prompts in captured passes
+    assert {key[0] for key in graphs.entries} == {"prefill", "draft_prompt", "plain_loop", "tree-draft", "tree-verify"}  # prompts in captured passes
     assert {key[1].draws for key in graphs.entries if key[0] == "tree-verify"} == {"sample", "top"}
 
 
