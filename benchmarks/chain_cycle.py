@@ -133,12 +133,13 @@ def main():
     res["prompt_pass"] = prompt_passes(model, drafter, lengths, graphs, Graphs(True, prefill_chunk=0))
     res["prompt_pass"]["lengths"] = [min(lengths), max(lengths) + 3, len(lengths)]
     print(json.dumps(res["prompt_pass"]), flush=True)
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    (Path(a.out) / "chain-cycle.json").write_text(json.dumps(res, indent=1))  # kept if the run is cut short
     prompts = [torch.randint(3, 49000, (1, int(T)), generator=gen).cuda() for T in torch.randint(40, 300, (a.prompts,), generator=gen)]
     for x in prompts:  # every prompt length seen once before timing (prompt passes are not what part 2 times)
         dec.decode_chain(model, drafter, x, 4, 5, (), graphs)
     res["chain"] = chain_cycles(model, drafter, prompts, a.new, a.reps, graphs)
     print(json.dumps(res["chain"]), flush=True)
-    Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / "chain-cycle.json").write_text(json.dumps(res, indent=1))
 
 
