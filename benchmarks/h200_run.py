@@ -45,11 +45,17 @@ def dump(out: Path, name: str, obj: dict):
     (out / name).write_text(json.dumps(obj, indent=2, default=str))
 
 
-def probe_step_s(cfg: dict, name: str) -> float:
-    """Median seconds of a training step with these settings (20 steps, compilation left out)."""
-    probe = train.run(train.TrainConfig(out=str(RUN / f"probe-{name}"), max_steps=20, **{**cfg, "eval_data": None}))
+def probe_step_s(cfg: dict, name: str, steps: int = 60) -> float:
+    """Mean seconds of a training step with these settings over the probe's second half, steps that
+    took over 3x the median (a compilation for a new shape) left out. Run 11 (H100, 5f0f461) timed
+    steps 9-20 of a 20-step probe: their median, 0.278 s, still held the recompilations that new pack
+    shapes bring early on, and scheduled 2,801 steps for 780 s that then took 471 s (0.168 s a step;
+    its own steps 1-170 ran at ~0.21 s). Where a run of the same settings was timed, --train-steps is surer."""
+    probe = train.run(train.TrainConfig(out=str(RUN / f"probe-{name}"), max_steps=steps, **{**cfg, "eval_data": None}))
     logged = [json.loads(line) for line in open(Path(probe.out) / "metrics.jsonl")]
-    return statistics.median(r["seconds"] for r in logged if r.get("step", 0) > 8)
+    tail = [r["seconds"] for r in logged if r.get("step", 0) > steps // 2 and "seconds" in r]
+    med = statistics.median(tail)
+    return statistics.fmean(s for s in tail if s <= 3 * med)
 
 
 def phase_train(a):
