@@ -345,7 +345,8 @@ def decode_chain(model: Transformer, drafter: Eagle3Drafter, prompt: torch.Tenso
                  eos_ids=(), graphs: Graphs | None = None) -> Generation:
     """EAGLE-3 chain speculation at temperature 0: k drafts, verify k+1 positions. The catch-up
     always runs k+1 rows (fixed shape, so it can be a graph); rows past the accepted ones write
-    slots that the next cycle overwrites before any query can see them."""
+    slots that the next cycle overwrites before any query can see them. Draft and verify spans are
+    timed as decode_tree times them (device events on the cycles timed_cycle picks, scaled)."""
     graphs = graphs or eager()
     dev = prompt.device
     T = prompt.shape[1]
@@ -361,15 +362,18 @@ def decode_chain(model: Transformer, drafter: Eagle3Drafter, prompt: torch.Tenso
     sync(dev)
     gen = Generation([int(pending)], 0.0, time.perf_counter() - t0)
     pos = torch.tensor([T], device=dev)
+    timed = 0
     while not finish(gen.tokens, max_new, eos_ids)[1]:
-        d0 = mark(dev)  # device-timeline marks: the verify is queued behind the draft with no sync between
+        on = timed_cycle(dev, len(gen.accept_lengths))
+        d0 = mark(dev, on)  # device-timeline marks: the verify is queued behind the draft with no sync between
         drafts = graphs(("chain", k, *keys), chain, h, pos).clone()
-        d1 = mark(dev)
+        d1 = mark(dev, on)
         best, aux = graphs(("verify", k + 1, *keys), verify, torch.cat([pending, drafts])[None], pos)
-        v1 = mark(dev)
+        v1 = mark(dev, on)
         n = accept_greedy(best, drafts)  # the cycle's one wait for the device
         gen.draft_seconds += elapsed(d0, d1)
         gen.verify_seconds += elapsed(d1, v1)
+        timed += on
         accepted = torch.cat([drafts[:n], best[n : n + 1]])  # (n+1,)
         gen.tokens.extend(accepted.tolist())
         gen.accept_lengths.append(n + 1)
@@ -380,6 +384,7 @@ def decode_chain(model: Transformer, drafter: Eagle3Drafter, prompt: torch.Tenso
     sync(dev)
     gen.tokens = finish(gen.tokens, max_new, eos_ids)[0]
     gen.seconds = time.perf_counter() - t0
+    scale_spans(gen, timed)
     return gen
 
 
@@ -1056,9 +1061,22 @@ def draft_sampled(drafter: Eagle3Drafter, spec: TreeSpec, temperature: float, to
     return draft
 
 
-def mark(device: torch.device):
+# Cycles of which one has its draft and verify spans timed, by device type. On CUDA a cycle's three
+# timing events cost ~80 us of host time: chain cycles of 1.47 ms timed against 1.38 ms untimed on an H100
+# (random SmolLM2-shaped target, logs/chain-cycle-h100-d95a7d6.json), so one cycle in 8 is timed and the
+# totals scaled to all cycles (scale_spans). The CPU's host clock costs nothing: every cycle.
+TIME_EVERY = {"cuda": 8}
+
+
+def timed_cycle(device: torch.device, cycle: int) -> bool:
+    return cycle % TIME_EVERY.get(device.type, 1) == 0
+
+
+def mark(device: torch.device, on: bool = True):
     """A point on the device's timeline that costs no sync: a recorded CUDA event, whose time is read
-    after a later sync, or the host clock on the CPU (synchronous)."""
+    after a later sync, or the host clock on the CPU (synchronous). None on an untimed cycle (on=False)."""
+    if not on:
+        return None
     if device.type != "cuda":
         return time.perf_counter()
     event = torch.cuda.Event(enable_timing=True)
@@ -1067,7 +1085,17 @@ def mark(device: torch.device):
 
 
 def elapsed(a, b) -> float:
+    if a is None:
+        return 0.0
     return b - a if isinstance(a, float) else a.elapsed_time(b) / 1e3
+
+
+def scale_spans(gen: Generation, timed: int):
+    """gen's draft and verify totals, summed over `timed` of its cycles, scaled to all of them."""
+    cycles = len(gen.accept_lengths)
+    if 0 < timed < cycles:
+        gen.draft_seconds *= cycles / timed
+        gen.verify_seconds *= cycles / timed
 
 
 @torch.no_grad()
@@ -1082,8 +1110,9 @@ def decode_tree(model: Transformer, drafter: Eagle3Drafter, prompt: torch.Tensor
     verify step, and the next cycle's draft (which needs only the verify step's device outputs) is
     queued before the host waits for it, so the device drafts while the host handles the tokens; a
     draft queued after the last cycle is discarded. draft_seconds and verify_seconds are the two
-    steps' spans on the device timeline (CUDA events read after the sync, so timing adds no sync);
-    verify_seconds includes the commit and the drafter catch-up."""
+    steps' spans on the device timeline (CUDA events read after the sync, so timing adds no sync) on the
+    cycles timed_cycle picks, scaled to all cycles (scale_spans); verify_seconds includes the commit and
+    the drafter catch-up."""
     graphs = graphs or eager()
     dev, T = prompt.device, prompt.shape[1]
     model.setup_caches(1, cache_slots(model, graphs, T, T + max_new + spec.num_draft_tokens + 2))
@@ -1110,14 +1139,16 @@ def decode_tree(model: Transformer, drafter: Eagle3Drafter, prompt: torch.Tensor
     pos = torch.tensor([T], device=dev)
     done = finish(gen.tokens, max_new, eos_ids)[1]
 
-    def draft_next():  # -> the tree (with the sampled tree's extra fields) and the draft's span on the device timeline
-        start = mark(dev)
+    def draft_next(on):  # -> the tree (with the sampled tree's extra fields) and the draft's span on the device timeline
+        start = mark(dev, on)
         if drawn:
-            return graphs(keys[0], draft, h, pos, torch.rand(u_shape, generator=generator, device=dev)), start, mark(dev)
-        return (graphs(keys[0], draft, h, pos),), start, mark(dev)
+            return graphs(keys[0], draft, h, pos, torch.rand(u_shape, generator=generator, device=dev)), start, mark(dev, on)
+        return (graphs(keys[0], draft, h, pos),), start, mark(dev, on)
 
-    tree, d0, d1 = draft_next()
+    on, timed = True, 0  # whether the cycle in flight is timed (timed_cycle), how many were
+    tree, d0, d1 = draft_next(on)
     host = torch.empty(min(spec.steps, spec.nodes) + 2, dtype=torch.long, pin_memory=dev.type == "cuda")  # verify's out
+    landed = torch.cuda.Event() if dev.type == "cuda" else None  # recorded behind each cycle's copy of its tokens
     while not done:
         extra = ()
         if drawn:  # rank, exists, qrow, q, then the acceptance's uniforms
@@ -1127,19 +1158,23 @@ def decode_tree(model: Transformer, drafter: Eagle3Drafter, prompt: torch.Tensor
             extra = (torch.rand(spec.nodes + 1, model.args.vocab_size, generator=generator, device=dev),)
         t = tree[0]
         out, h, pending, pos = graphs(keys[1], verify, pending, t.tokens, t.parents, t.depth, pos, *extra)
-        v1 = mark(dev)
+        v1 = mark(dev, on)
         host.copy_(out, non_blocking=True)
-        landed = mark(dev)
-        tree, *span = draft_next()  # the next cycle's draft runs while the host reads this one's tokens
-        if not isinstance(landed, float):
+        if landed is not None:
+            landed.record()
+        following = timed_cycle(dev, len(gen.accept_lengths) + 1)
+        tree, *span = draft_next(following)  # the next cycle's draft runs while the host reads this one's tokens
+        if landed is not None:
             landed.synchronize()
         n, *new = host.tolist()
         gen.tokens += new[: n + 1]
         gen.accept_lengths.append(n + 1)
         gen.draft_seconds += elapsed(d0, d1)
         gen.verify_seconds += elapsed(d1, v1)
-        d0, d1 = span
+        timed += on
+        (d0, d1), on = span, following
         gen.tokens, done = finish(gen.tokens, max_new, eos_ids)
     sync(dev)
     gen.seconds = time.perf_counter() - t0
+    scale_spans(gen, timed)
     return gen

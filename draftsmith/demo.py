@@ -6,8 +6,9 @@ then a result JSON with the figures issue #2 asks for. Each stage writes into it
 folder under `out`, so an interrupted demo rerun resumes every stage where it stopped.
 
 Training starts from the drafter that ships in draftsmith/assets/drafter (`--start-from shipped`,
-the default): the one the full pipeline trained on an H200 from all 12.4K prompts
-(benchmarks/ship_drafter.py says how it was made), which a CPU could not train in 15 minutes.
+the default): the one the full pipeline trained on a GPU from all 12.4K prompts and 20K the target
+wrote itself (its provenance.json and benchmarks/ship_drafter.py say how it was made), which a CPU
+could not train in 15 minutes.
 The demo trains it further on the answers it has just generated; `--start-from scratch` trains a
 new drafter instead (much weaker at this scale), and a path starts from any drafter of this target.
 

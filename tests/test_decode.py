@@ -145,6 +145,34 @@ def test_chunked_prefill_equals_one_pass_and_its_padding_is_never_read(target, T
     torch.testing.assert_close(step8, step1, rtol=1e-5, atol=1e-5)
 
 
+def test_spans_timed_on_one_cycle_in_n_are_scaled_to_all_cycles(target, monkeypatch):
+    """With TIME_EVERY = 4 the chain and the tree time draft and verify on cycles 0, 4, 8, ... only (an
+    untimed cycle records no event) and scale the totals to every cycle: with each timed span counted
+    as 1 ms, both totals are 1 ms a cycle; the tokens are those of plain decoding."""
+    from draftsmith import decode as dec
+
+    monkeypatch.setattr(dec, "TIME_EVERY", {"cpu": 4})
+    marks = []
+    monkeypatch.setattr(dec, "mark", lambda device, on=True: marks.append(on) or (0.0 if on else None))
+    monkeypatch.setattr(dec, "elapsed", lambda a, b: 0.0 if a is None else 1e-3)
+    drafter = tiny_drafter(target, draft_vocab=200)
+    prompt = torch.randint(3, 320, (1, 9), generator=torch.Generator().manual_seed(8))
+    plain = decode_plain(target, prompt, 30)
+    chain = dec.decode_chain(target, drafter, prompt, 30, 3)
+    cycles = len(chain.accept_lengths)
+    assert chain.tokens == plain.tokens and cycles > 8
+    assert marks == [i % 4 == 0 for i in range(cycles) for _ in range(3)]
+    assert chain.draft_seconds == pytest.approx(cycles * 1e-3) and chain.verify_seconds == pytest.approx(cycles * 1e-3)
+    marks.clear()
+    tree = dec.decode_tree(target, drafter, prompt, 30, TreeSpec(2, 3, 4))
+    n = len(tree.accept_lengths)
+    assert tree.tokens == plain.tokens and n > 8
+    on = [i % 4 == 0 for i in range(n + 1)]  # a cycle's draft is queued (and marked) during the one before
+    assert marks == [on[0], on[0]] + [m for i in range(n) for m in (on[i], on[i + 1], on[i + 1])]
+    for total in (tree.draft_seconds, tree.verify_seconds):
+        assert total == pytest.approx(len(tree.accept_lengths) * 1e-3)
+
+
 @pytest.mark.parametrize("T", [5, 13, 20], ids=["shorter", "padded", "two-chunks-padded"])
 def test_drafters_chunked_prompt_pass_equals_one_pass_and_its_padding_is_never_read(target, T):
     """draft_prompt in passes of 8 rows (the last padded) gives the one-pass output of the last row and
