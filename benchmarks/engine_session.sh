@@ -17,7 +17,7 @@
 # usage: bash benchmarks/engine_session.sh OUT [VARIANTS] [SWEEP]
 set -uo pipefail
 out=${1:?usage: engine_session.sh OUT [VARIANTS] [SWEEP]}
-variants=${2:-compiled,triton,triton_pdl,triton_ksplit2,triton_pdl_ksplit2,triton_pdl_ksplit4,triton_pdl_ksplit4_pairs32_split64,triton_sweep}
+variants=${2:-compiled,triton,triton_group,triton_pdl,triton_ksplit2,triton_pdl_ksplit2,triton_pdl_ksplit4,triton_pdl_ksplit4_pairs32_split64,triton_sweep}
 # triton_sweep's grid (h200_run.py --sweep): 16 tunings around the H100's fastest 8B one (cols=16 and merge_last were slower there)
 sweep=${3:-"bk_max=256;pairs=16,32;split=64,256;ksplit=1,4;pdl=0,1"}
 mkdir -p "$out"
