@@ -14,6 +14,8 @@
 #   BENCH_GGUF=/tmp/SmolLM2-135M-Instruct.Q4_1.gguf bash benchmarks/device_bg.sh start bash benchmarks/engine_session.sh /tmp/pipe/out
 # then in later calls:  bash benchmarks/device_bg.sh wait 540 /tmp/pipe/out/done
 #                       bash benchmarks/device_bg.sh fetch steps.txt pytest-gpu-decode.txt engine.json bench/bench.json pytest-gpu.txt
+# QUICK_ENGINES="triton triton_group" BENCH_GGUF=... instead runs only the changed code's GPU tests and the
+# real-model bench on each of those engines (~8 minutes; see the top of the QUICK_ENGINES branch below).
 # usage: bash benchmarks/engine_session.sh OUT [VARIANTS] [SWEEP]
 set -uo pipefail
 out=${1:?usage: engine_session.sh OUT [VARIANTS] [SWEEP]}
@@ -31,6 +33,19 @@ step() {  # step NAME SECONDS CMD...: runs CMD, records its exit status and wall
   echo "== $name: rc $? after $(( $(date +%s) - t0 )) s" | tee -a "$out/steps.txt"
 }
 echo "commit ${DRAFTSMITH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)} $(date -u +%FT%TZ)" >"$out/steps.txt"
+if [ -n "${QUICK_ENGINES:-}" ]; then
+  # QUICK_ENGINES="triton triton_group" (with BENCH_GGUF): only the GPU tests of what changed since the last
+  # device run, then the real-model bench (shipped drafter, T=0, no HF, no 8B) on each engine -> OUT/bench-ENGINE/bench.json
+  step pytest-gpu-changed 300 bash -c "set -o pipefail; python3 -m pytest -q -m gpu tests/test_decode.py tests/test_kernels.py \
+    -k 'group or prefill or prompt or graphed' -rA -p no:logging 2>&1 | tee '$out/pytest-gpu-changed.txt'"
+  for engine in $QUICK_ENGINES; do
+    step "bench-$engine" 420 python3 benchmarks/h200_run.py bench --gguf "${BENCH_GGUF:?QUICK_ENGINES needs BENCH_GGUF}" \
+      --data "${BENCH_DATA:-/tmp/data}" --drafter draftsmith/assets/drafter --engine "$engine" --no-with-8b --no-hf --no-t1 \
+      --out "$out/bench-$engine"
+  done
+  touch "$out/done"
+  exit 0
+fi
 step pytest-gpu-decode 300 bash -c "set -o pipefail; python3 -m pytest -q -m gpu tests/test_decode.py -rA -p no:logging 2>&1 \
   | tee '$out/pytest-gpu-decode.txt'"
 step engine 600 python3 benchmarks/h200_run.py engine --sections smollm2_shape,llama8b_shape --variants "$variants" \
