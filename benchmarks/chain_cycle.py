@@ -7,8 +7,9 @@ a cycle. This script, on a random SmolLM2-shaped target and a random drafter of 
 (8K draft vocab; accept lengths are ~1, which is fine: the cost of a cycle does not depend on them):
 1. prompt passes at lengths never run before and again at the same lengths: the target (run_prompt)
    and the drafter (draft_prompt), each eager (one pass) and in captured 256-token passes;
-2. decode_chain with its three ways of timing a cycle, interleaved prompt by prompt: CUDA events (the
-   default), a sync and host clock at each mark (as before 5f0f461), and none; plain decoding beside.
+2. decode_chain with its ways of timing a cycle, interleaved prompt by prompt: CUDA events on one cycle in 8
+   (the default) or on every cycle (5f0f461), a sync and host clock at each mark (before 5f0f461), and
+   none; plain decoding beside.
 
 usage: python3 benchmarks/chain_cycle.py --out DIR [--prompts 24] [--new 256] [--reps 2] [--variant triton]
 """
@@ -69,10 +70,13 @@ def prompt_passes(model, drafter, lengths: list[int], graphs: Graphs, eager: Gra
     return out
 
 
+# how a cycle is timed: (mark, elapsed, cycles of which one is timed on CUDA). "events" is the default since
+# 837feb9 (one cycle in 8); "events_every_cycle" was 5f0f461's; "synced" the way before it (a sync at each mark)
 TIMINGS = {
-    "events": (dec.mark, dec.elapsed),
-    "synced": (lambda dev: (dec.sync(dev), time.perf_counter())[1], lambda a, b: b - a),
-    "none": (lambda dev: 0.0, lambda a, b: 0.0),
+    "events": (dec.mark, dec.elapsed, dec.TIME_EVERY["cuda"]),
+    "events_every_cycle": (dec.mark, dec.elapsed, 1),
+    "synced": (lambda dev, on=True: (dec.sync(dev), time.perf_counter())[1], lambda a, b: b - a, 1),
+    "none": (lambda dev, on=True: None, lambda a, b: 0.0, 1),
 }
 
 
@@ -89,11 +93,12 @@ def chain_cycles(model, drafter, prompts, new: int, reps: int, graphs: Graphs) -
             acc["plain"][1] += len(p.tokens) - 1
             for j in range(len(names)):
                 n = names[(i + j + rep) % len(names)]
-                dec.mark, dec.elapsed = TIMINGS[n]
+                dec.mark, dec.elapsed, every = TIMINGS[n]
+                dec.TIME_EVERY["cuda"] = every
                 try:
                     g = dec.decode_chain(model, drafter, x, new, 5, (), graphs)
                 finally:
-                    dec.mark, dec.elapsed = TIMINGS["events"]
+                    dec.mark, dec.elapsed, dec.TIME_EVERY["cuda"] = TIMINGS["events"]
                 differ += g.tokens != p.tokens
                 acc[n][0] += g.seconds - g.prefill_seconds
                 acc[n][1] += len(g.accept_lengths)
