@@ -193,15 +193,17 @@ def run_prompt(model: Transformer, prompt: torch.Tensor, capture=(), graphs: Gra
 
 
 @torch.no_grad()
-def draft_prompt(drafter: Eagle3Drafter, tokens: torch.Tensor, aux: torch.Tensor, graphs: Graphs | None = None) -> torch.Tensor:
-    """The drafter over a prompt's rows into its cache slots 0..T-1: tokens (1, T) are the prompt's
-    tokens 1..T-1 and the first new one, aux (1, T, 3Ht) the target's features over the prompt (row r
-    reads features r and token r + 1). Returns the last row's output (1, 1, H), which the first drafting
-    step reads. Under CUDA graphs in padded passes like run_prompt (its pad rows write drafter slots
-    that drafting overwrites before reading): an eager pass at a new prompt length met a new attention
-    plan (the H100 bench at 5f0f461: the chain, first to run the drafter at each length, took 2.69 s of
-    prefill for 80 MT-bench prompts, the tree after it 0.32 s)."""
+def draft_prompt(drafter: Eagle3Drafter, prompt: torch.Tensor, first: torch.Tensor, aux: torch.Tensor,
+                 graphs: Graphs | None = None) -> torch.Tensor:
+    """The drafter over a prompt's rows into its cache slots 0..T-1: prompt (1, T), first (1,) the new
+    token that follows it, aux (1, T, 3Ht) the target's features over the prompt; row r reads features r
+    and token r + 1 (the last row the new token). Returns the last row's output (1, 1, H), which the
+    first drafting step reads. Under CUDA graphs in padded passes like run_prompt (its pad rows write
+    drafter slots that drafting overwrites before reading): an eager pass at a new prompt length builds
+    new attention plans, 71 ms for the drafter against 0.46 ms captured on an H100
+    (logs/chain-cycle-h100-d95a7d6.json)."""
     graphs = graphs or eager()
+    tokens = torch.cat([prompt[0, 1:], first])[None]
     T, dev, c = tokens.shape[1], tokens.device, graphs.prefill_chunk
     if not c or prompt_slots(graphs, T) > drafter.max_len:
         return drafter(tokens, drafter.fuse(aux), torch.arange(T, device=dev))[:, -1:]
@@ -358,7 +360,7 @@ def decode_chain(model: Transformer, drafter: Eagle3Drafter, prompt: torch.Tenso
     sync(dev)
     t0 = time.perf_counter()
     pending, first = prefill(model, prompt, capture, graphs=graphs)
-    h = draft_prompt(drafter, torch.cat([prompt[0, 1:], pending])[None], first.aux, graphs)
+    h = draft_prompt(drafter, prompt, pending, first.aux, graphs)
     sync(dev)
     gen = Generation([int(pending)], 0.0, time.perf_counter() - t0)
     pos = torch.tensor([T], device=dev)
@@ -442,7 +444,7 @@ def decode_chain_sampled(model: Transformer, drafter: Eagle3Drafter, prompt: tor
     sync(dev)
     t0 = time.perf_counter()
     pending, out = prefill(model, prompt, capture, temperature, top_p, generator)
-    h = draft_prompt(drafter, torch.cat([prompt[0, 1:], pending])[None], out.aux)
+    h = draft_prompt(drafter, prompt, pending, out.aux)
     gen = Generation([int(pending)], 0.0, time.perf_counter() - t0)
     pos = torch.tensor([T], device=dev)
     while not finish(gen.tokens, max_new, eos_ids)[1]:
@@ -793,7 +795,7 @@ def tree_loop(model: Transformer, drafter: Eagle3Drafter, prompt: torch.Tensor, 
     sync(dev)
     t0 = time.perf_counter()
     pending, first = prefill(model, prompt, capture, **sampling, graphs=graphs)
-    h = draft_prompt(drafter, torch.cat([prompt[0, 1:], pending])[None], first.aux, graphs)
+    h = draft_prompt(drafter, prompt, pending, first.aux, graphs)
     sync(dev)
     gen = Generation([int(pending)], 0.0, time.perf_counter() - t0)
     pos = T
@@ -1133,7 +1135,7 @@ def decode_tree(model: Transformer, drafter: Eagle3Drafter, prompt: torch.Tensor
     sync(dev)
     t0 = time.perf_counter()
     pending, first = prefill(model, prompt, drafter.cfg.aux_layer_ids, temperature, top_p, generator, graphs)
-    h = draft_prompt(drafter, torch.cat([prompt[0, 1:], pending])[None], first.aux, graphs)
+    h = draft_prompt(drafter, prompt, pending, first.aux, graphs)
     sync(dev)
     gen = Generation([int(pending)], 0.0, time.perf_counter() - t0)
     pos = torch.tensor([T], device=dev)

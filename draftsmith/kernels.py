@@ -264,7 +264,6 @@ def _attend(q, kc_ptr, vc_ptr, m_ptr, t, j, S, m_row, m_col, scale, lo, hi, base
     m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BM], dtype=tl.float32)
     acc = tl.zeros([BM, D], dtype=tl.float32)
-    dt = q.dtype
     u = tl.arange(0, WIN)
     for s0 in range(lo, hi, BS):
         rs = s0 + tl.arange(0, BS)
@@ -279,17 +278,25 @@ def _attend(q, kc_ptr, vc_ptr, m_ptr, t, j, S, m_row, m_col, scale, lo, hi, base
                 seen = tl.where(i >= 0, inside, seen)
         kv_at = (j * S + slot)[:, None] * D + rd[None, :]
         k = tl.load(kc_ptr + kv_at, mask=inside[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC).to(dt).to(tl.float32) * scale  # (BM, BS), rounded as q @ k^T is
-        s = tl.where(seen[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet: no nan
-        p = tl.exp(s - m_use[:, None])
-        alpha = tl.exp(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(vc_ptr + kv_at, mask=inside[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(dt), v, input_precision=PREC)
-        m_i = m_new
+        m_i, l_i, acc = _softmax_block(q, k, v, seen[None, :], m_i, l_i, acc, scale, PREC)
     return m_i, l_i, acc
+
+
+@triton.jit
+def _softmax_block(q, k, v, seen, m_i, l_i, acc, scale, PREC: tl.constexpr):
+    """One block of keys k, values v (BS, D) into the online softmax (m_i, l_i, acc) of query rows q (BM, D):
+    the scores rounded as q @ k^T is, hidden where `seen` (broadcast to (BM, BS)) is false."""
+    dt = q.dtype
+    s = tl.dot(q, tl.trans(k), input_precision=PREC).to(dt).to(tl.float32) * scale  # (BM, BS)
+    s = tl.where(seen, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet: no nan
+    p = tl.exp(s - m_use[:, None])
+    alpha = tl.exp(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(dt), v, input_precision=PREC)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -435,26 +442,15 @@ def _attention_group(q_ptr, kc_ptr, vc_ptr, m_ptr, pm_ptr, pl_ptr, pacc_ptr, t0,
     ok = (r < G * REP) & (t < n_rows)
     rd = tl.arange(0, D)
     q = tl.load(q_ptr + (t * H + head)[:, None] * D + rd[None, :], mask=ok[:, None], other=0.0)
-    dt = q.dtype
     m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BM], dtype=tl.float32)
     acc = tl.zeros([BM, D], dtype=tl.float32)
     j = tl.program_id(0)
     for s0 in range(c * CH, c * CH + CH, BS):
         rs = s0 + tl.arange(0, BS)
-        seen = tl.load(m_ptr + t[:, None] * m_row + rs[None, :] * m_col, mask=ok[:, None], other=0) != 0
+        seen = tl.load(m_ptr + t[:, None] * m_row + rs[None, :] * m_col, mask=ok[:, None], other=0) != 0  # row by row
         kv_at = (j * S + rs.to(tl.int64))[:, None] * D + rd[None, :]
-        k = tl.load(kc_ptr + kv_at)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC).to(dt).to(tl.float32) * scale  # (BM, BS), as in _attend
-        s = tl.where(seen, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_use[:, None])
-        alpha = tl.exp(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(vc_ptr + kv_at)
-        acc = acc * alpha[:, None] + tl.dot(p.to(dt), v, input_precision=PREC)
-        m_i = m_new
+        m_i, l_i, acc = _softmax_block(q, tl.load(kc_ptr + kv_at), tl.load(vc_ptr + kv_at), seen, m_i, l_i, acc, scale, PREC)
     part = c * n_rows * H + t * H + head
     tl.store(pm_ptr + part, m_i, mask=ok)
     tl.store(pl_ptr + part, l_i, mask=ok)

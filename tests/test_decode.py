@@ -182,12 +182,12 @@ def test_drafters_chunked_prompt_pass_equals_one_pass_and_its_padding_is_never_r
 
     drafter = tiny_drafter(target, draft_vocab=200)
     g = torch.Generator().manual_seed(T)
-    tokens = torch.randint(3, 320, (1, T), generator=g)
+    prompt, first = torch.randint(3, 320, (1, T), generator=g), torch.tensor([7])
     aux = torch.randn(1, T, 3 * target.args.hidden_size, generator=g)
     runs = {}
     for chunk in (0, 8):
         drafter.setup_caches(1, 64)
-        h = draft_prompt(drafter, tokens, aux, Graphs(False, prefill_chunk=chunk))
+        h = draft_prompt(drafter, prompt, first, aux, Graphs(False, prefill_chunk=chunk))
         cache = drafter.midlayer.self_attn.kv_cache
         drafts = draft_chain(drafter, 4)(h, torch.tensor([T]))
         runs[chunk] = h, cache.k[:, :, :T].clone(), cache.v[:, :, :T].clone(), drafts
@@ -490,10 +490,10 @@ def test_captured_prefill_on_cuda_equals_one_eager_pass():
         torch.testing.assert_close(out.hidden, outs[0].hidden, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(out.aux, outs[0].aux, rtol=1e-4, atol=1e-4)
     drafter.setup_caches(1, 512)
-    rows = torch.cat([prompt[0, 1:], prompt[0, :1]])[None]
-    h_one = draft_prompt(drafter, rows, outs[0].aux, one_pass)
+    h_one = draft_prompt(drafter, prompt, prompt[0, :1], outs[0].aux, one_pass)
     for _ in range(2):  # captured, then replayed: the drafter's prompt pass in 256-row passes
-        torch.testing.assert_close(draft_prompt(drafter, rows, outs[0].aux, graphs), h_one, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(draft_prompt(drafter, prompt, prompt[0, :1], outs[0].aux, graphs), h_one, rtol=1e-4,
+                                   atol=1e-4)
     plain = decode_plain(target, prompt, 40, graphs=one_pass)
     assert decode_plain(target, prompt, 40, graphs=graphs).tokens == plain.tokens
     assert decode_chain(target, drafter, prompt, 40, 3, graphs=graphs).tokens == plain.tokens
