@@ -38,7 +38,7 @@ if [ -n "${QUICK_ENGINES:-}" ]; then
   # device run, the chain cycle's timing variants (random weights), then the real-model bench (shipped drafter,
   # T=0, no HF, no 8B) on each engine -> OUT/bench-ENGINE/bench.json
   step pytest-gpu-changed 300 bash -c "set -o pipefail; python3 -m pytest -q -m gpu tests/test_decode.py tests/test_kernels.py \
-    -k 'group or prefill or prompt or graphed' -rA -p no:logging 2>&1 | tee '$out/pytest-gpu-changed.txt'"
+    -k 'group or prefill or prompt or graphed or bits or smollm2_widths' -rA -p no:logging 2>&1 | tee '$out/pytest-gpu-changed.txt'"
   step chain-cycle 240 python3 benchmarks/chain_cycle.py --out "$out" --prompts 8 --reps 1 --new 192  # -> OUT/chain-cycle.json
   for engine in $QUICK_ENGINES; do
     step "bench-$engine" 420 python3 benchmarks/h200_run.py bench --gguf "${BENCH_GGUF:?QUICK_ENGINES needs BENCH_GGUF}" \
