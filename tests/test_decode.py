@@ -485,7 +485,8 @@ def test_captured_prefill_on_cuda_equals_one_eager_pass():
     graphs, one_pass = Graphs(True), Graphs(True, prefill_chunk=0)
     assert graphs.prefill_chunk == 256
     target.setup_caches(1, 512)  # its max_position_embeddings: room for two 256-token passes
-    outs = [run_prompt(target, prompt, (1, 2), g) for g in (one_pass, graphs, graphs)]  # the last one replays
+    capture = drafter.cfg.aux_layer_ids  # the drafter reads these layers' features (3 x hidden)
+    outs = [run_prompt(target, prompt, capture, g) for g in (one_pass, graphs, graphs)]  # the last one replays
     for out in outs[1:]:
         torch.testing.assert_close(out.hidden, outs[0].hidden, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(out.aux, outs[0].aux, rtol=1e-4, atol=1e-4)
