@@ -6,9 +6,7 @@ At batch 1 SmolLM2-135M's compiled decode step is ~560 kernels of ~2 us each on 
   1. rmsnorm -> qkv matmul -> rotary on q and k -> k and v written into their cache slots
   2. attention of every query row over the cache slots up to the last one written, under the mask
      (or, with Tuning.split, two: chunks of the cache in parallel, then their partial softmaxes merged;
-     with Tuning.merge_last the last chunk program of a token merges them, one kernel again; with
-     Tuning.group a chunk below the pass's first slot is read once for several tokens, their query
-     heads stacked in one tile)
+     with Tuning.merge_last the last chunk program of a token merges them, one kernel again)
   3. o_proj + residual
   4. rmsnorm -> gate/up matmul -> silu(gate) * up
   5. down_proj + residual
@@ -21,8 +19,7 @@ give it the same bits, in bf16 as in fp32 (so in fp32 speculative output equals 
 with the torch path, and bf16 near-ties break the same way in both). Matmul rows go in tiles of ROWS
 whatever their number, which needs tl.dot to give a row the same bits wherever it sits in its tile:
 true on CUDA (tested in fp32 and bf16), not under the interpreter where numpy's BLAS is not.
-Attention takes one token a program (its query heads, as a one-token step has them; Tuning.group
-stacks several tokens' heads in one tile only over the prefix, where tl.dot's rows are independent), and a tree
+Attention takes one token a program (its query heads, as a one-token step has them), and a tree
 token's ancestors become its keys right after the prefix, in order, which is where plain decoding
 puts them: a reduction's bits depend on where its terms sit. Intermediate results are rounded to
 the model's dtype where the torch layer rounds them (matmul outputs, silu, the residual adds).
@@ -90,12 +87,6 @@ class Tuning:
     # waits on the device for it to finish, instead of being launched after it (to hide the launch gaps of
     # SmolLM2's ~180 dependent kernels a step: 12% of its one-token step on an H100); the arithmetic is unchanged
     pdl: bool = False
-    # with split: a chunk of the cache below a pass's first slot (the prefix every token of the pass sees
-    # alike) is read once for up to this many tokens, their query heads stacked in one tl.dot tile (at most
-    # ROWS // heads a kv head fit: 5 for SmolLM2, 4 for Llama-3.1-8B), instead of once a token (a tree
-    # verify's 49 tokens read the prefix 49 times). A row's arithmetic is a one-token step's: tl.dot rows are
-    # independent on CUDA. 0: off (until timed)
-    group: int = 0
 
     def __post_init__(self):
         for name in ("bk_max", "slots"):
@@ -114,10 +105,6 @@ class Tuning:
             raise ValueError(f"Tuning.ksplit must be 1 (no split) to 16, got {self.ksplit}")
         if not 0 <= self.stages <= 8:
             raise ValueError(f"Tuning.stages must be 0 (Triton's default) to 8, got {self.stages}")
-        if not 0 <= self.group <= ROWS:
-            raise ValueError(f"Tuning.group must be 0 (off) to {ROWS} tokens, got {self.group}")
-        if self.group and (not self.split or self.merge_last):
-            raise ValueError("Tuning.group needs split > 0 and merge_last=False (it groups the split's chunk programs)")
 
     def bk(self, k: int, itemsize: int = 2) -> int:
         return max(16, min(self.bk_max * 2 // max(itemsize, 2), triton.next_power_of_2(k)))
@@ -264,6 +251,7 @@ def _attend(q, kc_ptr, vc_ptr, m_ptr, t, j, S, m_row, m_col, scale, lo, hi, base
     m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BM], dtype=tl.float32)
     acc = tl.zeros([BM, D], dtype=tl.float32)
+    dt = q.dtype
     u = tl.arange(0, WIN)
     for s0 in range(lo, hi, BS):
         rs = s0 + tl.arange(0, BS)
@@ -278,25 +266,17 @@ def _attend(q, kc_ptr, vc_ptr, m_ptr, t, j, S, m_row, m_col, scale, lo, hi, base
                 seen = tl.where(i >= 0, inside, seen)
         kv_at = (j * S + slot)[:, None] * D + rd[None, :]
         k = tl.load(kc_ptr + kv_at, mask=inside[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC).to(dt).to(tl.float32) * scale  # (BM, BS), rounded as q @ k^T is
+        s = tl.where(seen[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet: no nan
+        p = tl.exp(s - m_use[:, None])
+        alpha = tl.exp(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(vc_ptr + kv_at, mask=inside[:, None], other=0.0)
-        m_i, l_i, acc = _softmax_block(q, k, v, seen[None, :], m_i, l_i, acc, scale, PREC)
+        acc = acc * alpha[:, None] + tl.dot(p.to(dt), v, input_precision=PREC)
+        m_i = m_new
     return m_i, l_i, acc
-
-
-@triton.jit
-def _softmax_block(q, k, v, seen, m_i, l_i, acc, scale, PREC: tl.constexpr):
-    """One block of keys k, values v (BS, D) into the online softmax (m_i, l_i, acc) of query rows q (BM, D):
-    the scores rounded as q @ k^T is, hidden where `seen` (broadcast to (BM, BS)) is false."""
-    dt = q.dtype
-    s = tl.dot(q, tl.trans(k), input_precision=PREC).to(dt).to(tl.float32) * scale  # (BM, BS)
-    s = tl.where(seen, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet: no nan
-    p = tl.exp(s - m_use[:, None])
-    alpha = tl.exp(m_i - m_use)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(dt), v, input_precision=PREC)
-    return m_new, l_i, acc
 
 
 @triton.jit
@@ -333,14 +313,15 @@ def _arrive_last(count_ptr, at, arrivals):
 
 
 @triton.jit
-def _token_rows(q_ptr, slot_ptr, m_ptr, t, n_rows, m_row, m_col, H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr,
+def _token_rows(q_ptr, slot_ptr, m_ptr, n_rows, m_row, m_col, H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr,
                 BM: tl.constexpr, TMAX: tl.constexpr, WIN: tl.constexpr):
-    """An attention program's rows: the query heads of kv head program_id(0)'s group for token t, so
-    they are the rows a one-token step at the token's slot has. Returns t, head,
+    """An attention program's rows: the query heads of kv head program_id(0)'s group for token
+    t = program_id(1), so they are the rows a one-token step at the token's slot has. Returns t, head,
     which rows are real, their q (BM, D), the pass's first slot (base) and one past its last (end), and
     the layout of the slots t sees from base on: vis, rank, whether _attend must move them (move) and
     one past its last key (hi)."""
     REP: tl.constexpr = H // KV
+    t = tl.program_id(1)
     r = tl.arange(0, BM)
     head = tl.program_id(0) * REP + r
     ok = r < REP
@@ -364,8 +345,8 @@ def _attention(q_ptr, kc_ptr, vc_ptr, m_ptr, slot_ptr, o_ptr, n_rows, S, m_row, 
                TMAX: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
     # program (kv head, token): its query heads over its keys
     _pdl_start(PDL)
-    t, head, ok, q, base, end, vis, rank, move, hi = _token_rows(q_ptr, slot_ptr, m_ptr, tl.program_id(1), n_rows, m_row,
-                                                                 m_col, H, KV, D, BM, TMAX, TMAX)
+    t, head, ok, q, base, end, vis, rank, move, hi = _token_rows(q_ptr, slot_ptr, m_ptr, n_rows, m_row, m_col, H, KV, D, BM,
+                                                                 TMAX, TMAX)
     m_i, l_i, acc = _attend(q, kc_ptr, vc_ptr, m_ptr, t, tl.program_id(0), S, m_row, m_col, scale, 0, hi, base, vis, rank,
                             move, D, BS, BM, TMAX, PREC)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -377,39 +358,16 @@ def _attention(q_ptr, kc_ptr, vc_ptr, m_ptr, slot_ptr, o_ptr, n_rows, S, m_row, 
 def _attention_part(q_ptr, kc_ptr, vc_ptr, m_ptr, slot_ptr, pm_ptr, pl_ptr, pacc_ptr, o_ptr, count_ptr, n_rows, S, m_row,
                     m_col, scale, H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr,
                     TMAX: tl.constexpr, CH: tl.constexpr, PREC: tl.constexpr, MERGE: tl.constexpr, NCP: tl.constexpr,
-                    PDL: tl.constexpr, GROUP: tl.constexpr):
+                    PDL: tl.constexpr):
     # split-KV (flash-decoding): program (kv head, token, chunk c of CH keys) attends over its chunk and
     # writes the running max, sum and unnormalised output for _attention_merge. Chunks at or past the
     # pass's end write nothing (the merge reads only the chunks below it); those past the token's own
     # keys write (-inf, 0, 0), as a one-token step's merge reads them there. With MERGE the last chunk
-    # program of (kv head, token) to finish merges them (Tuning.merge_last). With GROUP (Tuning.group)
-    # program (kv head, group of GROUP tokens, chunk): a chunk below the pass's first slot for all of them
-    # in one tile (_attention_group), any other chunk token by token as without GROUP
+    # program of (kv head, token) to finish merges them (Tuning.merge_last)
     _pdl_start(PDL)
+    t, head, ok, q, base, end, vis, rank, move, hi = _token_rows(q_ptr, slot_ptr, m_ptr, n_rows, m_row, m_col, H, KV, D, BM,
+                                                                 TMAX, TMAX)
     c = tl.program_id(2)
-    if GROUP > 0:
-        base, end = _pass_slots(slot_ptr, n_rows, TMAX)
-        if (c + 1) * CH <= base:
-            _attention_group(q_ptr, kc_ptr, vc_ptr, m_ptr, pm_ptr, pl_ptr, pacc_ptr, tl.program_id(1) * GROUP, c, n_rows,
-                             S, m_row, m_col, scale, H, KV, D, BS, BM, CH, PREC, GROUP)
-        else:
-            for i in tl.static_range(GROUP):
-                if tl.program_id(1) * GROUP + i < n_rows:
-                    _chunk_part(q_ptr, kc_ptr, vc_ptr, m_ptr, slot_ptr, pm_ptr, pl_ptr, pacc_ptr, o_ptr, count_ptr,
-                                tl.program_id(1) * GROUP + i, c, n_rows, S, m_row, m_col, scale, H, KV, D, BS, BM, TMAX,
-                                CH, PREC, False, NCP)
-    else:
-        _chunk_part(q_ptr, kc_ptr, vc_ptr, m_ptr, slot_ptr, pm_ptr, pl_ptr, pacc_ptr, o_ptr, count_ptr, tl.program_id(1), c,
-                    n_rows, S, m_row, m_col, scale, H, KV, D, BS, BM, TMAX, CH, PREC, MERGE, NCP)
-
-
-@triton.jit
-def _chunk_part(q_ptr, kc_ptr, vc_ptr, m_ptr, slot_ptr, pm_ptr, pl_ptr, pacc_ptr, o_ptr, count_ptr, t, c, n_rows, S, m_row,
-                m_col, scale, H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr,
-                TMAX: tl.constexpr, CH: tl.constexpr, PREC: tl.constexpr, MERGE: tl.constexpr, NCP: tl.constexpr):
-    """Token t's query heads of kv head program_id(0) over chunk c: its partials (_attention_part)."""
-    t, head, ok, q, base, end, vis, rank, move, hi = _token_rows(q_ptr, slot_ptr, m_ptr, t, n_rows, m_row, m_col, H, KV, D,
-                                                                 BM, TMAX, TMAX)
     lo = c * CH
     if lo < end:
         m_i, l_i, acc = _attend(q, kc_ptr, vc_ptr, m_ptr, t, tl.program_id(0), S, m_row, m_col, scale, lo,
@@ -423,38 +381,6 @@ def _chunk_part(q_ptr, kc_ptr, vc_ptr, m_ptr, slot_ptr, pm_ptr, pl_ptr, pacc_ptr
             for r in tl.static_range(H // KV):  # its query heads, each as _attention_merge merges a row
                 _merge_row(pm_ptr, pl_ptr, pacc_ptr, o_ptr, t * H + tl.program_id(0) * (H // KV) + r, n_rows * H,
                            tl.cdiv(end, CH), D, NCP, ".cg")
-
-
-@triton.jit
-def _attention_group(q_ptr, kc_ptr, vc_ptr, m_ptr, pm_ptr, pl_ptr, pacc_ptr, t0, c, n_rows, S, m_row, m_col, scale,
-                     H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr, CH: tl.constexpr,
-                     PREC: tl.constexpr, G: tl.constexpr):
-    """Tokens t0 .. t0 + G - 1 over chunk c, which lies below the pass's first slot: row r of the tile is
-    token t0 + r // REP's query head r % REP of kv head program_id(0). Each row gets _attend's arithmetic
-    for its token over these slots (the same tile shapes and layouts, the same rounding, its own mask
-    row), from one load of the chunk's keys and values instead of one a token. Its bits are a one-token
-    step's where tl.dot's rows are independent of their place in the tile: on CUDA; under the
-    interpreter numpy's BLAS gives rows past the first few other bits (the tests there group 2 tokens)."""
-    REP: tl.constexpr = H // KV
-    r = tl.arange(0, BM)
-    t = t0 + r // REP
-    head = tl.program_id(0) * REP + r % REP
-    ok = (r < G * REP) & (t < n_rows)
-    rd = tl.arange(0, D)
-    q = tl.load(q_ptr + (t * H + head)[:, None] * D + rd[None, :], mask=ok[:, None], other=0.0)
-    m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BM], dtype=tl.float32)
-    acc = tl.zeros([BM, D], dtype=tl.float32)
-    j = tl.program_id(0)
-    for s0 in range(c * CH, c * CH + CH, BS):
-        rs = s0 + tl.arange(0, BS)
-        seen = tl.load(m_ptr + t[:, None] * m_row + rs[None, :] * m_col, mask=ok[:, None], other=0) != 0  # row by row
-        kv_at = (j * S + rs.to(tl.int64))[:, None] * D + rd[None, :]
-        m_i, l_i, acc = _softmax_block(q, tl.load(kc_ptr + kv_at), tl.load(vc_ptr + kv_at), seen, m_i, l_i, acc, scale, PREC)
-    part = c * n_rows * H + t * H + head
-    tl.store(pm_ptr + part, m_i, mask=ok)
-    tl.store(pl_ptr + part, l_i, mask=ok)
-    tl.store(pacc_ptr + part[:, None] * D + rd[None, :], acc, mask=ok[:, None])
 
 
 @triton.jit
@@ -627,12 +553,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     pacc = torch.empty(chunks, T, h, D, dtype=torch.float32, device=q.device)
     ncp = triton.next_power_of_2(chunks)
     count = _counters(q, kv * MAX_T) if tuning.merge_last else _unused(q)
-    group = min(tuning.group, common["BM"] // (h // kv)) if T > 1 else 0  # a one-token step is its own group
-    if group:
-        grid = (kv, triton.cdiv(T, group))
     _attention_part[(*grid, chunks)](q, k, v, mask, input_pos, pm, pl, pacc, out, count, T, S, mask.stride(0), mask.stride(1),
                                       D**-0.5, BS=min(bs, tuning.split), CH=tuning.split, MERGE=tuning.merge_last, NCP=ncp,
-                                      GROUP=group, **common)
+                                      **common)
     if not tuning.merge_last:
         _attention_merge[(T * h,)](pm, pl, pacc, input_pos, out, T, H=h, D=D, CH=tuning.split, NCP=ncp, TMAX=MAX_T,
                                    **_pdl(tuning, q))

@@ -94,7 +94,7 @@ def test_the_kernels_compile_for_an_h200(shape, dtypes, tmp_path):
     chunk program (their atomics and L2 reads). A loop-carried value whose dtype changes passes the
     interpreter and fails here."""
     run, report = compile_check(tmp_path, "--shape", shape, "--dtypes", dtypes, "--variants",
-                                "triton,triton_ksplit4,triton_merge_last,triton_pdl,triton_group")
+                                "triton,triton_ksplit4,triton_merge_last,triton_pdl")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert report["failed"] == 0 and report["launches_compiled"] >= 8
     pdl = [r for r in report["results"] if r["variant"] == "triton_pdl" and r["kernel"] != "_move_slots"]
@@ -119,14 +119,6 @@ def test_the_compile_check_refuses_a_tuning_the_gpu_refused(tmp_path):
 def test_a_tuning_the_kernels_cannot_take_is_refused_naming_the_field(bad):
     with pytest.raises(ValueError, match=f"Tuning.{next(iter(bad))} must be"):
         kernels.Tuning(**bad)
-
-
-@pytest.mark.parametrize("bad", [dict(split=0), dict(merge_last=True)])
-def test_grouped_attention_needs_the_split_without_merge_last(bad):
-    with pytest.raises(ValueError, match="Tuning.group needs split > 0 and merge_last=False"):
-        kernels.Tuning(group=4, **bad)
-    with pytest.raises(ValueError, match="Tuning.group must be 0"):
-        kernels.Tuning(group=17)
 
 
 def random_tree(T: int, g: torch.Generator) -> tuple[torch.Tensor, list[int]]:
@@ -200,8 +192,7 @@ ON_THIS_HOST = [pytest.param("cpu", marks=pytest.mark.skipif(torch.cuda.is_avail
 
 # the default; K split into parts with the merge by the last chunk program (tiles small enough to split); PDL
 BITS_TUNINGS = {"default": kernels.Tuning(), "ksplit2-merge-last": kernels.Tuning(bk_max=32, ksplit=2, split=16, merge_last=True),
-                "pdl": kernels.Tuning(pdl=True),  # pdl: a launch option on CUDA, ignored by the interpreter
-                "split16-group2": kernels.Tuning(split=16, group=2)}  # prefix chunks read once for 2 tokens
+                "pdl": kernels.Tuning(pdl=True)}  # pdl: a launch option on CUDA, ignored by the interpreter
 
 
 @pytest.mark.parametrize("tuning", BITS_TUNINGS.values(), ids=BITS_TUNINGS.keys())
@@ -310,9 +301,7 @@ def test_wider_qkv_programs_match_the_torch_layer(pairs):
 
 ATTENTION_TUNINGS = {"one-block": kernels.Tuning(split=0), "blocks16": kernels.Tuning(slots=16, split=0),
                      "split16": kernels.Tuning(split=16, slots=16), "split32": kernels.Tuning(split=32),
-                     "split16-merge-last": kernels.Tuning(split=16, slots=16, merge_last=True),
-                     # 2 tokens a tile: rows the interpreter's BLAS computes alike (kernels._attention_group)
-                     "split16-group2": kernels.Tuning(split=16, slots=16, group=2)}
+                     "split16-merge-last": kernels.Tuning(split=16, slots=16, merge_last=True)}
 
 
 def attention_reference(q, k, v, mask):
@@ -384,25 +373,6 @@ def test_a_tree_tokens_attention_has_the_bits_of_a_one_token_step_over_its_path(
         one = torch.empty(1, h * D)
         kernels.attention(q[t : t + 1], k1, v1, causal_mask(at, S)[0, 0], at, one, tuning)
         assert torch.equal(one[0], out[t]), f"token {t} (depth {len(path) - 1})"
-
-
-def test_grouped_prefix_chunks_read_each_tokens_own_mask_row(nan_empty):
-    """Tuning.group reads a prefix chunk once for several tokens: each row still applies its own token's
-    mask (here every token hides other prefix slots, and an odd token count leaves a group half full),
-    giving the reference attention and, 2 tokens a tile, the bits of the ungrouped split."""
-    g = torch.Generator().manual_seed(13)
-    T, h, kv, D, p0 = 5, 4, 2, 32, 40
-    q = torch.randn(T, h, D, generator=g)
-    k, v = torch.randn(1, kv, S, D, generator=g), torch.randn(1, kv, S, D, generator=g)
-    pos = torch.arange(p0, p0 + T)
-    mask = causal_mask(pos, S)[0, 0].clone()
-    mask[:, :p0] &= torch.rand(T, p0, generator=g) > 0.3  # a different gap pattern for every token
-    outs = {}
-    for name, tuning in (("split", kernels.Tuning(split=16, slots=16)), ("group", kernels.Tuning(split=16, slots=16, group=2))):
-        outs[name] = torch.empty(T, h * D)
-        kernels.attention(q, k, v, mask, pos, outs[name], tuning)
-    torch.testing.assert_close(outs["group"].view(T, h, D), attention_reference(q, k, v, mask), atol=2e-5, rtol=2e-5)
-    assert torch.equal(outs["group"], outs["split"])
 
 
 @pytest.mark.parametrize("tuning", ATTENTION_TUNINGS.values(), ids=ATTENTION_TUNINGS.keys())
@@ -591,9 +561,9 @@ SMOLLM2_WIDTHS = dict(hidden_size=576, num_attention_heads=9, num_key_value_head
 @pytest.mark.parametrize("tuning,compiled", [(kernels.Tuning(), False), (kernels.Tuning(split=0), True),
                                              (kernels.Tuning(ksplit=2, merge_last=True), False),
                                              (kernels.Tuning(pdl=True, ksplit=2, merge_last=True), False),
-                                             (kernels.Tuning(pdl=True), True), (kernels.Tuning(group=16), False)],
+                                             (kernels.Tuning(pdl=True), True)],
                          ids=["default", "unsplit-compiled-drafter", "ksplit2-merge-last", "pdl-ksplit2-merge-last",
-                              "pdl-compiled-drafter", "group"])
+                              "pdl-compiled-drafter"])
 def test_speculation_on_cuda_kernels_at_smollm2_widths_equals_plain(tuning, compiled, dtype):
     """The device bench's exactness check, at SmolLM2's widths with the default Tuning under CUDA
     graphs: the fp32 tiles must fit an SM (the bench's fp32 check once died of OutOfResources) and a
