@@ -14,12 +14,12 @@
 #   BENCH_GGUF=/tmp/SmolLM2-135M-Instruct.Q4_1.gguf bash benchmarks/device_bg.sh start bash benchmarks/engine_session.sh /tmp/pipe/out
 # then in later calls:  bash benchmarks/device_bg.sh wait 540 /tmp/pipe/out/done
 #                       bash benchmarks/device_bg.sh fetch steps.txt pytest-gpu-decode.txt engine.json bench/bench.json pytest-gpu.txt
-# QUICK_ENGINES="triton triton_group" BENCH_GGUF=... instead runs only the changed code's GPU tests and the
-# real-model bench on each of those engines (~8 minutes; see the top of the QUICK_ENGINES branch below).
+# QUICK_ENGINES="triton" BENCH_GGUF=... [QUICK_TESTS=...] [GREEDY_TREES=...] instead runs only the GPU tests named
+# and the real-model bench on each of those engines (see the top of the QUICK_ENGINES branch below).
 # usage: bash benchmarks/engine_session.sh OUT [VARIANTS] [SWEEP]
 set -uo pipefail
 out=${1:?usage: engine_session.sh OUT [VARIANTS] [SWEEP]}
-variants=${2:-compiled,triton,triton_group,triton_pdl,triton_ksplit2,triton_pdl_ksplit2,triton_pdl_ksplit4,triton_pdl_ksplit4_pairs32_split64,triton_sweep}
+variants=${2:-compiled,triton,triton_pdl,triton_ksplit2,triton_pdl_ksplit2,triton_pdl_ksplit4,triton_pdl_ksplit4_pairs32_split64,triton_sweep}
 # triton_sweep's grid (h200_run.py --sweep): 16 tunings around the H100's fastest 8B one (cols=16 and merge_last were slower there)
 sweep=${3:-"bk_max=256;pairs=16,32;split=64,256;ksplit=1,4;pdl=0,1"}
 mkdir -p "$out"
@@ -34,16 +34,18 @@ step() {  # step NAME SECONDS CMD...: runs CMD, records its exit status and wall
 }
 echo "commit ${DRAFTSMITH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)} $(date -u +%FT%TZ)" >"$out/steps.txt"
 if [ -n "${QUICK_ENGINES:-}" ]; then
-  # QUICK_ENGINES="triton triton_group" (with BENCH_GGUF): only the GPU tests of what changed since the last
-  # device run, the chain cycle's timing variants (random weights), then the real-model bench (shipped drafter,
-  # T=0, no HF, no 8B) on each engine -> OUT/bench-ENGINE/bench.json
-  step pytest-gpu-changed 300 bash -c "set -o pipefail; python3 -m pytest -q -m gpu tests/test_decode.py tests/test_kernels.py \
-    -k 'group or prefill or prompt or graphed or bits or smollm2_widths' -rA -p no:logging 2>&1 | tee '$out/pytest-gpu-changed.txt'"
-  step chain-cycle 240 python3 benchmarks/chain_cycle.py --out "$out" --prompts 8 --reps 1 --new 192  # -> OUT/chain-cycle.json
+  # QUICK_ENGINES="triton triton_pdl" (with BENCH_GGUF): the GPU tests whose names match QUICK_TESTS (a pytest -k
+  # expression; none when unset), then the real-model bench (shipped drafter, T=0, no HF, no 8B) on each engine, with
+  # the greedy trees of GREEDY_TREES (h200_run.py --greedy-trees, e.g. "4x5x16,8x4x24") beside the main one
+  # -> OUT/pytest-gpu-changed.txt, OUT/bench-ENGINE/bench.json
+  if [ -n "${QUICK_TESTS:-}" ]; then  # -v: a test's result is written as it ends, so a step cut by its limit still says which failed
+    step pytest-gpu-changed 420 bash -c "set -o pipefail; python3 -m pytest -v --tb=short -m gpu tests/test_decode.py \
+      tests/test_kernels.py tests/test_draft.py -k '$QUICK_TESTS' -p no:logging 2>&1 | tee '$out/pytest-gpu-changed.txt'"
+  fi
   for engine in $QUICK_ENGINES; do
     step "bench-$engine" 420 python3 benchmarks/h200_run.py bench --gguf "${BENCH_GGUF:?QUICK_ENGINES needs BENCH_GGUF}" \
       --data "${BENCH_DATA:-/tmp/data}" --drafter draftsmith/assets/drafter --engine "$engine" --no-with-8b --no-hf --no-t1 \
-      --out "$out/bench-$engine"
+      --greedy-trees "${GREEDY_TREES:-}" --out "$out/bench-$engine"
   done
   touch "$out/done"
   exit 0

@@ -201,12 +201,14 @@ def bench_smollm(a, res):
     ids = [torch.tensor([prompt_ids(target.tokenizer, q.turns)], device=a.device) for q in qs]
     tree = TreeSpec(topk=a.topk, steps=a.tree_steps, num_draft_tokens=a.tree_tokens)
     sampled_specs = sampled_trees(a.sampled_trees, tree)  # parsed before any timing: a bad entry stops here
+    other_trees = {f"tree_{e}": tree_shape(e) for e in a.greedy_trees.split(",") if e}  # the same, T=0 and timed alike
     chain_tree = TreeSpec(1, 5, 5)  # chain5_device: the chain of 5 on the device-resident tree cycle (same tokens and accepts)
     # Caches sized to the longest prompt + new tokens + a draft's worth (as gpt-fast sizes its static
     # cache), in steps of 128, one size for every prompt so the graphs captured over them stay valid:
     # the decode step's attention reads every slot of the cache, so 2,048 slots for ~700 used ones
     # cost plain and speculative decoding alike (the random-weight engine runs use 1,024).
-    need = max(x.shape[1] for x in ids) + a.max_new_bench + max(tree.num_draft_tokens, tree.steps * tree.topk, 5) + 2
+    need = max(x.shape[1] for x in ids) + a.max_new_bench + max(max(t.num_draft_tokens, t.steps * t.topk, 5)
+                                                                for t in (tree, *other_trees.values())) + 2
     slots = min(-(-need // 128) * 128, model.args.max_position_embeddings)
     model.setup_caches(1, slots)
     drafter.setup_caches(1, slots)
@@ -218,10 +220,12 @@ def bench_smollm(a, res):
         decode_tree(model, drafter, x, 32, tree, target.eos_ids, graphs)
         if a.chain_device:
             decode_tree(model, drafter, x, 32, chain_tree, target.eos_ids, graphs)
+        for spec in other_trees.values():
+            decode_tree(model, drafter, x, 32, spec, target.eos_ids, graphs)
     warm_prompt_shapes(model, ids, target.eos_ids, graphs)
     sm = {"prompts": len(ids), "max_new_tokens": a.max_new_bench, "cache_slots": model.max_len, "warmup_s": round(time.perf_counter() - t, 1)}
     res["smollm2"] = sm
-    runs = {"plain": [], "chain5": [], "tree": [], **({"chain5_device": []} if a.chain_device else {})}
+    runs = {"plain": [], "chain5": [], "tree": [], **({"chain5_device": []} if a.chain_device else {}), **{n: [] for n in other_trees}}
     if plain_drafter is not None:
         for x in ids[:2]:
             decode_tree(model, plain_drafter, x, 32, tree, target.eos_ids, graphs)
@@ -232,6 +236,8 @@ def bench_smollm(a, res):
         runs["tree"].append(decode_tree(model, drafter, x, a.max_new_bench, tree, target.eos_ids, graphs))
         if a.chain_device:
             runs["chain5_device"].append(decode_tree(model, drafter, x, a.max_new_bench, chain_tree, target.eos_ids, graphs))
+        for name, spec in other_trees.items():  # each prompt's runs side by side, so every run meets the same clocks
+            runs[name].append(decode_tree(model, drafter, x, a.max_new_bench, spec, target.eos_ids, graphs))
         if plain_drafter is not None:
             runs["tree_uncompiled_drafter"].append(decode_tree(model, plain_drafter, x, a.max_new_bench, tree, target.eos_ids, graphs))
 
@@ -255,13 +261,14 @@ def bench_smollm(a, res):
 
     sm["plain"] = summary(runs["plain"])
     base = sm["baseline_tok_s"] = sm["plain"]["tok_s"]
-    for name in [n for n in ("chain5", "tree", "chain5_device") if n in runs]:
+    for name in [n for n in ("chain5", "tree", "chain5_device", *other_trees) if n in runs]:
         sm[name] = summary(runs[name])
         sm[name]["speedup"] = round(sm[name]["tok_s"] / base, 3)
         same = sum(p.tokens == g.tokens for p, g in zip(runs["plain"], runs[name]))
         agree = sum(dec.greedy_agreement(model, x, g.tokens, graphs) for x, g in zip(ids, runs[name]))
         sm[name].update(identical_prompts=f"{same}/{len(ids)}", greedy_agreement=round(agree / sm[name]["tokens"], 5))
-    sm["tree"]["settings"] = {"topk": tree.topk, "steps": tree.steps, "num_draft_tokens": tree.num_draft_tokens}
+    for name, spec in (("tree", tree), *other_trees.items()):
+        sm[name]["settings"] = {"topk": spec.topk, "steps": spec.steps, "num_draft_tokens": spec.num_draft_tokens}
     sm["drafter_compiled"] = getattr(drafter, "compile_backend", None) or False
     if plain_drafter is not None:  # the same tree decoding with the drafter's steps left uncompiled
         sm["tree_uncompiled_drafter"] = summary(runs["tree_uncompiled_drafter"])
@@ -368,9 +375,7 @@ TRITON_VARIANTS = {"triton": {}, "triton_torch_commit": {"move_slots": False}, "
                    "triton_pdl_merge_last": {"pdl": True, "merge_last": True},
                    "triton_pdl_ksplit2": {"pdl": True, "ksplit": 2}, "triton_pdl_ksplit4": {"pdl": True, "ksplit": 4},
                    # the H100's fastest 8B-shape tuning (logs/engine-8b-sweep-h100-3ff982a.json)
-                   "triton_pdl_ksplit4_pairs32_split64": {"pdl": True, "ksplit": 4, "pairs": 32, "split": 64},
-                   # prefix chunks of a verify pass read once for a group of tokens (Tuning.group)
-                   "triton_group": {"group": 16}, "triton_pdl_group": {"pdl": True, "group": 16}}
+                   "triton_pdl_ksplit4_pairs32_split64": {"pdl": True, "ksplit": 4, "pairs": 32, "split": 64}}
 ENGINE_VARIANTS = ("graphs", "compiled", "compiled_model", "compiled_model_cdt", "compiled_sdpa", "compiled_autotune", "triton",
                    "triton_sweep")  # engine's default --variants
 
@@ -543,13 +548,22 @@ def hf_speed(args: ModelArgs, x) -> float:
     return round(32 / s, 2)
 
 
+def tree_shape(shape: str) -> TreeSpec:
+    """ "KxDxN" -> TreeSpec(topk K, D draft steps, N draft tokens verified)."""
+    try:
+        k, d, n = (int(v) for v in shape.split("x"))
+        return TreeSpec(k, d, n)
+    except ValueError as e:
+        raise SystemExit(f"tree shape {shape!r}: expected KxDxN (topk x draft steps x draft tokens), e.g. 8x6x48 ({e})")
+
+
 def sampled_trees(text: str, tree: TreeSpec) -> dict:
     """--sampled-trees: comma-separated entries, each a TreeSpec.draws ("auto": the bench's tree, drafted
     by draws), a shape "KxDxN" (auto draws) or both, "KxDxN:draws" -> {entry: TreeSpec}."""
     specs = {}
     for entry in text.split(","):
         shape, _, draws = entry.partition(":") if "x" in entry else ("", "", entry)
-        spec = TreeSpec(*(int(v) for v in shape.split("x"))) if shape else tree
+        spec = tree_shape(shape) if shape else tree
         specs[entry] = dataclasses.replace(spec, draws=draws or "auto")
     return specs
 
@@ -809,6 +823,9 @@ def main():
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--tree-steps", type=int, default=6)
     ap.add_argument("--tree-tokens", type=int, default=48)
+    ap.add_argument("--greedy-trees", default="", help="bench: more greedy trees beside the main one, comma-separated"
+                    " shapes KxDxN (topk x draft steps x draft tokens), e.g. 4x5x16,8x6x24: a section tree_KxDxN each, run"
+                    " prompt by prompt with the others and checked alike (identical prompts, greedy agreement)")
     a = ap.parse_args()
     if a.sweep:
         SWEEP.clear()

@@ -147,3 +147,8 @@ def test_the_device_benchs_sampled_trees_parse_into_tree_specs():
     assert h200.sampled_trees("auto", tree) == {"auto": tree}
     with pytest.raises(ValueError, match="draws"):
         h200.sampled_trees("16x6x48:greedy", tree)
+    # --greedy-trees takes the same shapes; a malformed one is refused by name before any GPU time
+    assert h200.tree_shape("4x5x16") == TreeSpec(4, 5, 16)
+    for bad in ("4x5", "4x5x16x2", "4xfivex16", "0x5x16"):
+        with pytest.raises(SystemExit, match=f"tree shape '{bad}': expected KxDxN"):
+            h200.tree_shape(bad)
