@@ -23,6 +23,9 @@ RUNS = {  # engine -> bench log (the shipped drafter, all 80 MT-bench first turn
     "triton, swept tiles (8114dc5)": LOGS / "bench-triton-sweep-shipped-drafter-8114dc5.json",
     "triton, one-launch KV commit (8c7a00e)": LOGS / "bench-full-8c7a00e.json",
     "triton, KV commit and split attention (8c7a00e)": LOGS / "bench-triton-split128-shipped-drafter-8c7a00e.json",
+    # run 11's 8K cut; a tree token's attention one token a program (its one-token step's bits), prompts and the
+    # drafter's prompt pass in captured passes, one cycle in 8 timed
+    "triton, bit-exact tree, captured prefill (1011bf3)": LOGS / "bench-full-1011bf3.json",
 }
 STEPS = {"chain5": 5, "tree": 6}  # drafter steps a cycle: 5 drafts; the 8x6x48 tree's depth
 TARGETS = {"chain5": 3.5, "tree": 5.0}  # issue 4's accept lengths
