@@ -715,8 +715,8 @@ def failed_checks(res: dict) -> list[str]:
     sm, failed = res.get("smollm2", {}), []
     if "smollm2_error" in res:
         failed.append(f"the SmolLM2 section failed: {res['smollm2_error']}")
-    for name in ("chain5", "tree", "chain5_device"):
-        agree = sm.get(name, {}).get("greedy_agreement")
+    for name, sec in sm.items():  # chain5, tree, chain5_device and the --greedy-trees sections
+        agree = sec.get("greedy_agreement") if isinstance(sec, dict) else None
         if agree is not None and agree < AGREEMENT_FLOOR:
             failed.append(f"bf16 {name} agrees with plain greedy decoding on {agree:.2%} of tokens (< 99%)")
     exact = sm.get("fp32_exact_runs")

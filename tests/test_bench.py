@@ -71,6 +71,8 @@ def test_device_bench_fails_loudly_when_speculation_disagrees():
     inexact = {"smollm2": {**good["smollm2"], "fp32_exact_runs": "15/16"}}
     assert [m for m in h200.failed_checks(inexact) if "15/16" in m]
     assert h200.failed_checks({"smollm2_error": "RuntimeError('boom')"})
+    other_tree = {"smollm2": {**good["smollm2"], "tree_8x6x47": {"greedy_agreement": 0.97}}}  # --greedy-trees
+    assert [m for m in h200.failed_checks(other_tree) if "tree_8x6x47" in m and "97.00%" in m]
 
 
 def test_bench_config_names_bad_kernel_choices():
