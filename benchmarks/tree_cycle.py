@@ -4,7 +4,7 @@ shapes make a device cycle cost the same whatever is accepted, so for a trained 
 speedup ~= accept_length * plain_ms / cycle_ms (what `draftsmith cost` computes).
 
 For each variant: the target pass by rows (one token to a 49-row tree), plain decoding's ms a token,
-the host-driven chain (decode_chain) and the device-resident tree cycle for each --specs shape, split
+the chain (decode_chain) and the tree cycle for each --specs shape, split
 into draft and verify on the device timeline (1x5x5 is the chain of 5 on the device-resident cycle);
 the host-driven tree loop (tree_loop) too with --host-loop. Variants:
   compiled             inductor-compiled layers (bench --engine compiled)
@@ -75,7 +75,7 @@ def main():
     ap.add_argument("--variants", default="compiled,triton_torch_commit,triton,triton_unsplit")
     ap.add_argument("--specs", default="8x6x48,1x5x5", help="tree shapes topk x steps x nodes (1xKxK: a chain of K drafts"
                     " on the device-resident cycle, the same tokens and accept lengths as decode_chain K)")
-    ap.add_argument("--chain", type=int, default=5, help="drafts of the host-driven chain (decode_chain) timed alongside")
+    ap.add_argument("--chain", type=int, default=5, help="drafts of the chain (decode_chain) timed alongside")
     ap.add_argument("--max-new", type=int, default=256)
     ap.add_argument("--rows", default="1,8,16,17,32,49,64", help="target pass sizes to time")
     ap.add_argument("--host-loop", action="store_true", help="also time the host-driven loop (tree_loop)")

@@ -1,9 +1,10 @@
 """The decode engine: plain greedy decoding and EAGLE-3 chain speculation on one static cache.
 
 Reads top to bottom: sample -> generate_batch (many prompts, for regenerating training data)
--> prefill -> decode_plain -> draft_chain -> verify -> decode_chain -> (lossless sampling)
+-> prefill -> decode_plain -> draft_chain -> verify_chain -> decode_chain -> (lossless sampling)
 -> draft_tree -> verify_tree -> decode_tree_sampled -> tree_loop (host-driven trees) -> draft_greedy
--> verify_greedy, verify_sampled, verify_top (one verify_cycle each) -> draft_sampled -> decode_tree
+-> verify_greedy, verify_sampled, verify_top (one verify_cycle each) -> draft_sampled
+-> speculation_cycles (the device-resident loop of decode_chain and decode_tree) -> decode_tree
 (EAGLE-2 style trees resident on the device: top-k expansion, rerank by cumulative draft
 probability, verify the best N nodes in one target pass under a tree attention mask).
 Both paths run the same target forward (static KV cache, explicit slots), so a speed
@@ -337,54 +338,64 @@ def drafter_rows(drafter: Eagle3Drafter):
     return rows
 
 
-def accept_greedy(best: torch.Tensor, drafts: torch.Tensor) -> int:
-    """Number of leading drafts equal to the target's greedy choices."""
-    return int((best[:-1] == drafts).int().cumprod(0).sum())
+def verify_chain(model: Transformer, drafter: Eagle3Drafter, k: int):
+    """A chain cycle's verify as one fixed-shape device step (a CUDA graph a k): the target over
+    [pending, drafts] at slots pos..pos+k, its greedy tokens, acceptance and the drafter catch-up.
+    verify(pending (1,), drafts (k,), pos (1,)) -> (out (k+2,): n, then the target's k+1 greedy tokens,
+    of which the first n+1 are the new ones; h (1, 1, H) for the next draft; the next pending token
+    (1,); the next pos (1,)). The catch-up runs k+1 rows whatever n is, over the target's greedy tokens:
+    up to row n they are the accepted tokens (an accepted draft is the target's greedy token), and rows
+    past n write drafter slots pos+n+1.. that the next cycle rewrites before reading. The rejected
+    rows' target KV lies past the next pos likewise, so a chain needs no commit."""
+    capture = drafter.cfg.aux_layer_ids
+
+    def after(best, drafts, aux, pos):  # compiled like the drafting steps: eager it is ~10 small kernels
+        n = (best[:-1] == drafts).int().cumprod(0).sum().reshape(1)  # (1,) leading drafts the target agrees with
+        h = drafter(best[None], drafter.fuse(aux), pos + torch.arange(k + 1, device=pos.device))  # (1, k+1, H)
+        return n, h[:, n], best[n]  # a (1,) index: no host read
+    after = drafter.compiled(after)
+
+    def verify(pending, drafts, pos):
+        out = model(torch.cat([pending, drafts])[None], pos + torch.arange(k + 1, device=pos.device), capture=capture)
+        best = model.logits(out.hidden[0]).argmax(-1)  # (k+1,) the logits outside the compiled part, as plain decoding's
+        n, h, bonus = after(best, drafts, out.aux, pos)
+        return torch.cat([n, best]), h, bonus, pos + n + 1
+    return verify
 
 
 @torch.no_grad()
 def decode_chain(model: Transformer, drafter: Eagle3Drafter, prompt: torch.Tensor, max_new: int, k: int,
                  eos_ids=(), graphs: Graphs | None = None) -> Generation:
-    """EAGLE-3 chain speculation at temperature 0: k drafts, verify k+1 positions. The catch-up
-    always runs k+1 rows (fixed shape, so it can be a graph); rows past the accepted ones write
-    slots that the next cycle overwrites before any query can see them. Draft and verify spans are
-    timed as decode_tree times them (device events on the cycles timed_cycle picks, scaled)."""
+    """EAGLE-3 chain speculation at temperature 0, resident on the device as decode_tree is: a cycle is
+    two fixed-shape steps, draft_chain's k drafts then verify_chain's k+1-token verify with acceptance
+    and the drafter catch-up (CUDA graphs when `graphs` is enabled), and one host read of the new
+    tokens, queued so that the next cycle's draft runs while the host waits (speculation_cycles).
+    draft_seconds and verify_seconds are the two steps' spans on the device timeline on the cycles
+    timed_cycle picks, scaled to all cycles; verify_seconds includes the catch-up."""
     graphs = graphs or eager()
     dev = prompt.device
     T = prompt.shape[1]
-    capture = drafter.cfg.aux_layer_ids
     model.setup_caches(1, cache_slots(model, graphs, T, T + max_new + 2 * k + 2))
     drafter.setup_caches(1, cache_slots(drafter, graphs, T, T + max_new + 2 * k + 2))
-    verify, chain, rows = target_step(model, capture), drafter.compiled(draft_chain(drafter, k)), drafter.compiled(drafter_rows(drafter))
+    chain, verify = drafter.compiled(draft_chain(drafter, k)), verify_chain(model, drafter, k)
     keys = (id(model), model.max_len, id(drafter), drafter.max_len)  # a graph bakes in modules and cache buffers
     sync(dev)
     t0 = time.perf_counter()
-    pending, first = prefill(model, prompt, capture, graphs=graphs)
+    pending, first = prefill(model, prompt, drafter.cfg.aux_layer_ids, graphs=graphs)
     h = draft_prompt(drafter, prompt, pending, first.aux, graphs)
     sync(dev)
     gen = Generation([int(pending)], 0.0, time.perf_counter() - t0)
     pos = torch.tensor([T], device=dev)
-    timed = 0
-    while not finish(gen.tokens, max_new, eos_ids)[1]:
-        on = timed_cycle(dev, len(gen.accept_lengths))
-        d0 = mark(dev, on)  # device-timeline marks: the verify is queued behind the draft with no sync between
-        drafts = graphs(("chain", k, *keys), chain, h, pos).clone()
-        d1 = mark(dev, on)
-        best, aux = graphs(("verify", k + 1, *keys), verify, torch.cat([pending, drafts])[None], pos)
-        v1 = mark(dev, on)
-        n = accept_greedy(best, drafts)  # the cycle's one wait for the device
-        gen.draft_seconds += elapsed(d0, d1)
-        gen.verify_seconds += elapsed(d1, v1)
-        timed += on
-        accepted = torch.cat([drafts[:n], best[n : n + 1]])  # (n+1,)
-        gen.tokens.extend(accepted.tolist())
-        gen.accept_lengths.append(n + 1)
-        # drafter catch-up on the verified rows pos..pos+n, overwriting its speculative slots
-        padded = torch.cat([accepted, drafts[n:]])[None]  # (1, k+1)
-        h = graphs(("rows", k + 1, *keys), rows, padded, aux, pos)[:, n : n + 1].clone()
-        pending, pos = accepted[-1:].clone(), pos + n + 1
-    sync(dev)
-    gen.tokens = finish(gen.tokens, max_new, eos_ids)[0]
+
+    def draft_next():
+        return graphs(("chain", k, *keys), chain, h, pos)
+
+    def verify_next(drafts):
+        nonlocal h, pending, pos
+        out, h, pending, pos = graphs(("chain-verify", k, *keys), verify, pending, drafts, pos)
+        return out
+
+    timed = speculation_cycles(gen, dev, max_new, eos_ids, k + 2, draft_next, verify_next)
     gen.seconds = time.perf_counter() - t0
     scale_spans(gen, timed)
     return gen
@@ -1100,6 +1111,46 @@ def scale_spans(gen: Generation, timed: int):
         gen.verify_seconds *= cycles / timed
 
 
+def speculation_cycles(gen: Generation, dev: torch.device, max_new: int, eos_ids, n_out: int, draft, verify) -> int:
+    """The device-resident speculation loop of decode_chain and decode_tree, run until gen is done.
+    draft() queues a cycle's draft step and returns what verify needs; verify(drafted) queues the verify
+    step (which leaves the next draft's inputs on the device) and returns out (n_out,): n, then the new
+    tokens padded. A cycle's one sync is the host's read of out: a copy queued behind the verify, with
+    the next cycle's draft queued before the host waits for it, so the device drafts while the host
+    handles the tokens (a draft queued after the last cycle is discarded). On the cycles timed_cycle
+    picks the two steps' spans are added to gen from CUDA events read after that sync. Returns how many
+    cycles were timed (scale_spans)."""
+    def draft_marked(on):
+        start = mark(dev, on)
+        return draft(), start, mark(dev, on)
+
+    on, timed = True, 0  # whether the cycle in flight is timed, how many were
+    drafted, d0, d1 = draft_marked(on)
+    host = torch.empty(n_out, dtype=torch.long, pin_memory=dev.type == "cuda")
+    landed = torch.cuda.Event() if dev.type == "cuda" else None  # recorded behind each cycle's copy of its tokens
+    done = finish(gen.tokens, max_new, eos_ids)[1]
+    while not done:
+        out = verify(drafted)
+        v1 = mark(dev, on)
+        host.copy_(out, non_blocking=True)
+        if landed is not None:
+            landed.record()
+        following = timed_cycle(dev, len(gen.accept_lengths) + 1)
+        drafted, *span = draft_marked(following)  # the next cycle's draft runs while the host reads this one's tokens
+        if landed is not None:
+            landed.synchronize()
+        n, *new = host.tolist()
+        gen.tokens += new[: n + 1]
+        gen.accept_lengths.append(n + 1)
+        gen.draft_seconds += elapsed(d0, d1)
+        gen.verify_seconds += elapsed(d1, v1)
+        timed += on
+        (d0, d1), on = span, following
+        gen.tokens, done = finish(gen.tokens, max_new, eos_ids)
+    sync(dev)
+    return timed
+
+
 @torch.no_grad()
 def decode_tree(model: Transformer, drafter: Eagle3Drafter, prompt: torch.Tensor, max_new: int, spec: TreeSpec,
                 eos_ids=(), graphs: Graphs | None = None, temperature: float = 0.0, top_p: float = 1.0,
@@ -1107,14 +1158,11 @@ def decode_tree(model: Transformer, drafter: Eagle3Drafter, prompt: torch.Tensor
     """EAGLE-2 style tree speculation, resident on the device. A cycle is two fixed-shape steps,
     draft_greedy then verify_greedy (at temperature > 0 draft_greedy then verify_top, or draft_sampled
     then verify_sampled, by spec.draws_at(temperature), with the uniforms they use drawn from
-    `generator` just before; CUDA graphs when `graphs` is enabled), and one
-    host read of the accepted tokens: the cycle's only sync. The read is a copy queued behind the
-    verify step, and the next cycle's draft (which needs only the verify step's device outputs) is
-    queued before the host waits for it, so the device drafts while the host handles the tokens; a
-    draft queued after the last cycle is discarded. draft_seconds and verify_seconds are the two
-    steps' spans on the device timeline (CUDA events read after the sync, so timing adds no sync) on the
-    cycles timed_cycle picks, scaled to all cycles (scale_spans); verify_seconds includes the commit and
-    the drafter catch-up."""
+    `generator` just before; CUDA graphs when `graphs` is enabled), and one host read of the accepted
+    tokens, the cycle's only sync, with the next draft queued before it (speculation_cycles).
+    draft_seconds and verify_seconds are the two steps' spans on the device timeline on the cycles
+    timed_cycle picks, scaled to all cycles (scale_spans); verify_seconds includes the commit and the
+    drafter catch-up."""
     graphs = graphs or eager()
     dev, T = prompt.device, prompt.shape[1]
     model.setup_caches(1, cache_slots(model, graphs, T, T + max_new + spec.num_draft_tokens + 2))
@@ -1139,19 +1187,14 @@ def decode_tree(model: Transformer, drafter: Eagle3Drafter, prompt: torch.Tensor
     sync(dev)
     gen = Generation([int(pending)], 0.0, time.perf_counter() - t0)
     pos = torch.tensor([T], device=dev)
-    done = finish(gen.tokens, max_new, eos_ids)[1]
 
-    def draft_next(on):  # -> the tree (with the sampled tree's extra fields) and the draft's span on the device timeline
-        start = mark(dev, on)
+    def draft_next():  # -> the tree (with the sampled tree's extra fields)
         if drawn:
-            return graphs(keys[0], draft, h, pos, torch.rand(u_shape, generator=generator, device=dev)), start, mark(dev, on)
-        return (graphs(keys[0], draft, h, pos),), start, mark(dev, on)
+            return graphs(keys[0], draft, h, pos, torch.rand(u_shape, generator=generator, device=dev))
+        return (graphs(keys[0], draft, h, pos),)
 
-    on, timed = True, 0  # whether the cycle in flight is timed (timed_cycle), how many were
-    tree, d0, d1 = draft_next(on)
-    host = torch.empty(min(spec.steps, spec.nodes) + 2, dtype=torch.long, pin_memory=dev.type == "cuda")  # verify's out
-    landed = torch.cuda.Event() if dev.type == "cuda" else None  # recorded behind each cycle's copy of its tokens
-    while not done:
+    def verify_next(tree):
+        nonlocal h, pending, pos
         extra = ()
         if drawn:  # rank, exists, qrow, q, then the acceptance's uniforms
             extra = (*tree[1:], torch.rand(spec.nodes + 1, generator=generator, device=dev),
@@ -1160,23 +1203,9 @@ def decode_tree(model: Transformer, drafter: Eagle3Drafter, prompt: torch.Tensor
             extra = (torch.rand(spec.nodes + 1, model.args.vocab_size, generator=generator, device=dev),)
         t = tree[0]
         out, h, pending, pos = graphs(keys[1], verify, pending, t.tokens, t.parents, t.depth, pos, *extra)
-        v1 = mark(dev, on)
-        host.copy_(out, non_blocking=True)
-        if landed is not None:
-            landed.record()
-        following = timed_cycle(dev, len(gen.accept_lengths) + 1)
-        tree, *span = draft_next(following)  # the next cycle's draft runs while the host reads this one's tokens
-        if landed is not None:
-            landed.synchronize()
-        n, *new = host.tolist()
-        gen.tokens += new[: n + 1]
-        gen.accept_lengths.append(n + 1)
-        gen.draft_seconds += elapsed(d0, d1)
-        gen.verify_seconds += elapsed(d1, v1)
-        timed += on
-        (d0, d1), on = span, following
-        gen.tokens, done = finish(gen.tokens, max_new, eos_ids)
-    sync(dev)
+        return out
+
+    timed = speculation_cycles(gen, dev, max_new, eos_ids, min(spec.steps, spec.nodes) + 2, draft_next, verify_next)
     gen.seconds = time.perf_counter() - t0
     scale_spans(gen, timed)
     return gen

@@ -76,22 +76,22 @@ def test_chain_drafts_what_the_trained_rows_predict(target, k, monkeypatch):
         out = target(full, torch.arange(full.shape[1]), capture=drafter.cfg.aux_layer_ids)
         greedy = target.logits(out.hidden).argmax(-1)[0]
     overfit(drafter.train(), full, out.aux, greedy, k)
-    firsts, done = [], [1]  # (tokens generated before the cycle, its first draft); prefill made one
-    real = dec.accept_greedy
+    drafted = []  # every cycle's first draft, in order (one more is drafted after the last cycle)
+    real = dec.draft_chain
 
-    def spy(best, drafts):
-        n = real(best, drafts)
-        firsts.append((done[0], int(drafts[0])))
-        done[0] += n + 1
-        return n
+    def spy(drafter, k):
+        chain = real(drafter, k)
+        return lambda h, pos: drafted.append(int((d := chain(h, pos))[0])) or d
 
-    monkeypatch.setattr(dec, "accept_greedy", spy)
+    monkeypatch.setattr(dec, "draft_chain", spy)
     spec = decode_chain(target, drafter, prompt, 40, k)
     assert spec.tokens == full[0, 9:].tolist()
     assert max(spec.accept_lengths) > 1 + (k > 1)  # drafts were accepted: the catch-up after them is tested
+    assert len(drafted) == len(spec.accept_lengths) + 1
+    done = [1 + sum(spec.accept_lengths[:i]) for i in range(len(spec.accept_lengths))]  # before each cycle; prefill made one
     with torch.no_grad():
         taught = drafter.to_target(drafter.logits(drafter.ttt(full, out.aux, 1)[0]).argmax(-1))[0]  # row r drafts token r+2
-    same = [d == int(taught[9 + g - 2]) for g, d in firsts]
+    same = [d == int(taught[9 + g - 2]) for g, d in zip(done, drafted)]
     assert len(same) >= 10 and sum(same) >= 0.95 * len(same)
 
 
@@ -148,7 +148,8 @@ def test_chunked_prefill_equals_one_pass_and_its_padding_is_never_read(target, T
 def test_spans_timed_on_one_cycle_in_n_are_scaled_to_all_cycles(target, monkeypatch):
     """With TIME_EVERY = 4 the chain and the tree time draft and verify on cycles 0, 4, 8, ... only (an
     untimed cycle records no event) and scale the totals to every cycle: with each timed span counted
-    as 1 ms, both totals are 1 ms a cycle; the tokens are those of plain decoding."""
+    as 1 ms, both totals are 1 ms a cycle; the tokens are those of plain decoding. A cycle's draft is
+    queued (and marked) during the one before (speculation_cycles)."""
     from draftsmith import decode as dec
 
     monkeypatch.setattr(dec, "TIME_EVERY", {"cpu": 4})
@@ -158,19 +159,16 @@ def test_spans_timed_on_one_cycle_in_n_are_scaled_to_all_cycles(target, monkeypa
     drafter = tiny_drafter(target, draft_vocab=200)
     prompt = torch.randint(3, 320, (1, 9), generator=torch.Generator().manual_seed(8))
     plain = decode_plain(target, prompt, 30)
-    chain = dec.decode_chain(target, drafter, prompt, 30, 3)
-    cycles = len(chain.accept_lengths)
-    assert chain.tokens == plain.tokens and cycles > 8
-    assert marks == [i % 4 == 0 for i in range(cycles) for _ in range(3)]
-    assert chain.draft_seconds == pytest.approx(cycles * 1e-3) and chain.verify_seconds == pytest.approx(cycles * 1e-3)
-    marks.clear()
-    tree = dec.decode_tree(target, drafter, prompt, 30, TreeSpec(2, 3, 4))
-    n = len(tree.accept_lengths)
-    assert tree.tokens == plain.tokens and n > 8
-    on = [i % 4 == 0 for i in range(n + 1)]  # a cycle's draft is queued (and marked) during the one before
-    assert marks == [on[0], on[0]] + [m for i in range(n) for m in (on[i], on[i + 1], on[i + 1])]
-    for total in (tree.draft_seconds, tree.verify_seconds):
-        assert total == pytest.approx(len(tree.accept_lengths) * 1e-3)
+    for run in (lambda: dec.decode_chain(target, drafter, prompt, 30, 3),
+                lambda: dec.decode_tree(target, drafter, prompt, 30, TreeSpec(2, 3, 4))):
+        marks.clear()
+        gen = run()
+        n = len(gen.accept_lengths)
+        assert gen.tokens == plain.tokens and n > 8
+        on = [i % 4 == 0 for i in range(n + 1)]
+        assert marks == [on[0], on[0]] + [m for i in range(n) for m in (on[i], on[i + 1], on[i + 1])]
+        for total in (gen.draft_seconds, gen.verify_seconds):
+            assert total == pytest.approx(n * 1e-3)
 
 
 @pytest.mark.parametrize("T", [5, 13, 20], ids=["shorter", "padded", "two-chunks-padded"])
