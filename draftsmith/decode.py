@@ -395,9 +395,8 @@ def decode_chain(model: Transformer, drafter: Eagle3Drafter, prompt: torch.Tenso
         out, h, pending, pos = graphs(("chain-verify", k, *keys), verify, pending, drafts, pos)
         return out
 
-    timed = speculation_cycles(gen, dev, max_new, eos_ids, k + 2, draft_next, verify_next)
+    speculation_cycles(gen, dev, max_new, eos_ids, draft_next, verify_next)
     gen.seconds = time.perf_counter() - t0
-    scale_spans(gen, timed)
     return gen
 
 
@@ -1111,27 +1110,29 @@ def scale_spans(gen: Generation, timed: int):
         gen.verify_seconds *= cycles / timed
 
 
-def speculation_cycles(gen: Generation, dev: torch.device, max_new: int, eos_ids, n_out: int, draft, verify) -> int:
+def speculation_cycles(gen: Generation, dev: torch.device, max_new: int, eos_ids, draft, verify):
     """The device-resident speculation loop of decode_chain and decode_tree, run until gen is done.
     draft() queues a cycle's draft step and returns what verify needs; verify(drafted) queues the verify
-    step (which leaves the next draft's inputs on the device) and returns out (n_out,): n, then the new
-    tokens padded. A cycle's one sync is the host's read of out: a copy queued behind the verify, with
-    the next cycle's draft queued before the host waits for it, so the device drafts while the host
+    step (which leaves the next draft's inputs on the device) and returns out, a fixed-size (n, then the
+    new tokens padded). A cycle's one sync is the host's read of out: a copy queued behind the verify,
+    with the next cycle's draft queued before the host waits for it, so the device drafts while the host
     handles the tokens (a draft queued after the last cycle is discarded). On the cycles timed_cycle
-    picks the two steps' spans are added to gen from CUDA events read after that sync. Returns how many
-    cycles were timed (scale_spans)."""
+    picks the two steps' spans are added to gen from CUDA events read after that sync, and the totals
+    are scaled to all cycles (scale_spans)."""
     def draft_marked(on):
         start = mark(dev, on)
         return draft(), start, mark(dev, on)
 
     on, timed = True, 0  # whether the cycle in flight is timed, how many were
     drafted, d0, d1 = draft_marked(on)
-    host = torch.empty(n_out, dtype=torch.long, pin_memory=dev.type == "cuda")
+    host = None  # out's copy on the host, pinned on CUDA so that the copy is asynchronous
     landed = torch.cuda.Event() if dev.type == "cuda" else None  # recorded behind each cycle's copy of its tokens
     done = finish(gen.tokens, max_new, eos_ids)[1]
     while not done:
         out = verify(drafted)
         v1 = mark(dev, on)
+        if host is None:
+            host = torch.empty(out.shape, dtype=out.dtype, pin_memory=dev.type == "cuda")
         host.copy_(out, non_blocking=True)
         if landed is not None:
             landed.record()
@@ -1148,7 +1149,7 @@ def speculation_cycles(gen: Generation, dev: torch.device, max_new: int, eos_ids
         (d0, d1), on = span, following
         gen.tokens, done = finish(gen.tokens, max_new, eos_ids)
     sync(dev)
-    return timed
+    scale_spans(gen, timed)
 
 
 @torch.no_grad()
@@ -1205,7 +1206,6 @@ def decode_tree(model: Transformer, drafter: Eagle3Drafter, prompt: torch.Tensor
         out, h, pending, pos = graphs(keys[1], verify, pending, t.tokens, t.parents, t.depth, pos, *extra)
         return out
 
-    timed = speculation_cycles(gen, dev, max_new, eos_ids, min(spec.steps, spec.nodes) + 2, draft_next, verify_next)
+    speculation_cycles(gen, dev, max_new, eos_ids, draft_next, verify_next)
     gen.seconds = time.perf_counter() - t0
-    scale_spans(gen, timed)
     return gen

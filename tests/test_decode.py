@@ -501,10 +501,12 @@ def test_captured_prefill_on_cuda_equals_one_eager_pass():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_graphed_tree_on_cuda_equals_plain_and_syncs_once_per_cycle():
-    """On CUDA decode_tree's two steps are captured as CUDA graphs (capture fails on any sync or
-    host copy inside them), the output equals plain greedy decoding in fp32, and once captured a
-    cycle makes one synchronizing call (sync debug mode counts them)."""
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_graphed_speculation_on_cuda_equals_plain_and_syncs_once_per_cycle(mode):
+    """On CUDA decode_chain's and decode_tree's two steps are captured as CUDA graphs (capture fails on
+    any sync or host copy inside them; the chain's acceptance and drafter catch-up run inside its verify
+    graph, verify_chain), the output equals plain greedy decoding in fp32, and once captured a cycle
+    makes one synchronizing call, the host's read of its tokens (sync debug mode counts them)."""
     import warnings
 
     from draftsmith.cudagraph import Graphs
@@ -515,58 +517,27 @@ def test_graphed_tree_on_cuda_equals_plain_and_syncs_once_per_cycle():
     oracle = prompt[0].tolist() + plain.tokens + [0] * 20
     drafters = {"random": tiny_drafter(target, draft_vocab=200).cuda(),
                 "oracle": OracleDrafter(DraftConfig.from_target(target.args, target.args.vocab_size), oracle, 0.6).cuda()}
+    # (case, depth: the most drafts a cycle can accept, decode)
+    cases = {"chain": [(k, k, lambda d, g, k=k: decode_chain(target, d, prompt, 60, k, graphs=g)) for k in (1, 3, 5)],
+             "tree": [(spec, spec.steps, lambda d, g, spec=spec: decode_tree(target, d, prompt, 60, spec, graphs=g))
+                      for spec in (TreeSpec(4, 5, 16), TreeSpec(2, 4, 3), TreeSpec(1, 3, 3), TreeSpec(3, 1, 2))]}[mode]
     for name, drafter in drafters.items():
         graphs = Graphs(True)
-        for spec in (TreeSpec(4, 5, 16), TreeSpec(2, 4, 3), TreeSpec(1, 3, 3), TreeSpec(3, 1, 2)):
-            assert decode_tree(target, drafter, prompt, 60, spec, graphs=graphs).tokens == plain.tokens, (name, spec)
+        for case, depth, decode in cases:
+            assert decode(drafter, graphs).tokens == plain.tokens, (name, case)
             torch.cuda.set_sync_debug_mode("warn")
             try:
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")
-                    out = decode_tree(target, drafter, prompt, 60, spec, graphs=graphs)
+                    out = decode(drafter, graphs)
             finally:
                 torch.cuda.set_sync_debug_mode(0)
             syncs = [w for w in caught if "synchroniz" in str(w.message)]
             assert out.tokens == plain.tokens
-            assert len(syncs) <= len(out.accept_lengths) + 3, (name, spec, len(syncs), len(out.accept_lengths))  # + prefill's
+            assert len(syncs) <= len(out.accept_lengths) + 3, (name, case, len(syncs), len(out.accept_lengths))  # + prefill's
             assert out.draft_seconds > 0 and out.verify_seconds > 0
             if name == "oracle":  # right at 60% of positions: some cycle gets past the first draft
-                assert max(out.accept_lengths) > min(2, spec.steps)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_graphed_chain_on_cuda_equals_plain_and_syncs_once_per_cycle():
-    """decode_chain on CUDA: its draft and verify steps (acceptance and the drafter catch-up inside the
-    verify graph, verify_chain) are captured, the output equals plain greedy decoding in fp32, and once
-    captured a cycle makes one synchronizing call, the host's read of its tokens (sync debug mode)."""
-    import warnings
-
-    from draftsmith.cudagraph import Graphs
-
-    target = tiny_native().cuda()
-    prompt = torch.randint(3, 320, (1, 7), generator=torch.Generator().manual_seed(5)).cuda()
-    plain = decode_plain(target, prompt, 60, graphs=Graphs(True))
-    oracle = prompt[0].tolist() + plain.tokens + [0] * 20
-    drafters = {"random": tiny_drafter(target, draft_vocab=200).cuda(),
-                "oracle": OracleDrafter(DraftConfig.from_target(target.args, target.args.vocab_size), oracle, 0.6).cuda()}
-    for name, drafter in drafters.items():
-        graphs = Graphs(True)
-        for k in (1, 3, 5):
-            assert decode_chain(target, drafter, prompt, 60, k, graphs=graphs).tokens == plain.tokens, (name, k)
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                with warnings.catch_warnings(record=True) as caught:
-                    warnings.simplefilter("always")
-                    out = decode_chain(target, drafter, prompt, 60, k, graphs=graphs)
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
-            syncs = [w for w in caught if "synchroniz" in str(w.message)]
-            assert out.tokens == plain.tokens
-            assert len(syncs) <= len(out.accept_lengths) + 3, (name, k, len(syncs), len(out.accept_lengths))  # + prefill's
-            assert out.draft_seconds > 0 and out.verify_seconds > 0
-            if name == "oracle" and k > 1:  # right at 60% of positions: some cycle accepts past the first draft
-                assert max(out.accept_lengths) > 2
+                assert max(out.accept_lengths) > min(2, depth)
 
 
 def test_tree_respects_eos_and_max_new(target):
