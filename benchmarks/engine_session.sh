@@ -37,8 +37,8 @@ if [ -n "${QUICK_ENGINES:-}" ]; then
   # QUICK_ENGINES="triton triton_pdl" (with BENCH_GGUF): the GPU tests whose names match QUICK_TESTS (a pytest -k
   # expression; none when unset), then the real-model bench (shipped drafter, T=0, no HF, no 8B) on each engine, with
   # the greedy trees of GREEDY_TREES (h200_run.py --greedy-trees, e.g. "4x5x16,8x4x24") beside the main one
-  # -> OUT/pytest-gpu-changed.txt, OUT/bench-ENGINE/bench.json (BENCH_LIMIT seconds each, 420 unset: bench.json is
-  # written at the end, so a cut bench leaves nothing); TREE_CYCLE (tree_cycle.py's --variants) first times
+  # -> OUT/pytest-gpu-changed.txt, OUT/bench-ENGINE/bench.json (BENCH_LIMIT seconds each, 420 unset; a bench cut by
+  # it leaves only smollm2.partial, the figures of the prompts timed so far, every 16); TREE_CYCLE (tree_cycle.py's --variants) first times
   # the tree cycle on random weights for the shapes of TREE_SPECS -> OUT/tree-cycle.json
   if [ -n "${QUICK_TESTS:-}" ]; then  # -v: a test's result is written as it ends, so a step cut by its limit still says which failed
     step pytest-gpu-changed 420 bash -c "set -o pipefail; python3 -m pytest -v --tb=short -m gpu tests/test_decode.py \

@@ -230,17 +230,6 @@ def bench_smollm(a, res):
         for x in ids[:2]:
             decode_tree(model, plain_drafter, x, 32, tree, target.eos_ids, graphs)
         runs["tree_uncompiled_drafter"] = []
-    for x in ids:
-        runs["plain"].append(decode_plain(model, x, a.max_new_bench, target.eos_ids, graphs))
-        runs["chain5"].append(decode_chain(model, drafter, x, a.max_new_bench, 5, target.eos_ids, graphs))
-        runs["tree"].append(decode_tree(model, drafter, x, a.max_new_bench, tree, target.eos_ids, graphs))
-        if a.chain_device:
-            runs["chain5_device"].append(decode_tree(model, drafter, x, a.max_new_bench, chain_tree, target.eos_ids, graphs))
-        for name, spec in other_trees.items():  # each prompt's runs side by side, so every run meets the same clocks
-            runs[name].append(decode_tree(model, drafter, x, a.max_new_bench, spec, target.eos_ids, graphs))
-        if plain_drafter is not None:
-            runs["tree_uncompiled_drafter"].append(decode_tree(model, plain_drafter, x, a.max_new_bench, tree, target.eos_ids, graphs))
-
     def summary(gens, base=None):
         n, secs = sum(len(g.tokens) for g in gens), sum(g.seconds for g in gens)
         acc = [x for g in gens for x in g.accept_lengths]
@@ -256,9 +245,25 @@ def bench_smollm(a, res):
                        draft_s=round(sum(g.draft_seconds for g in gens), 2), verify_s=round(sum(g.verify_seconds for g in gens), 2),
                        other_s=round(secs - sum(g.draft_seconds + g.verify_seconds for g in gens), 2))
         if base is not None:
-            out["speedup"] = round(base / (n / secs), 3)
+            out["speedup"] = round((n / secs) / base, 3)
         return out
 
+    for i, x in enumerate(ids):
+        if i and i % 16 == 0:  # what is timed so far, so a bench cut by a time limit still leaves figures
+            plain_tok_s = sum(len(g.tokens) for g in runs["plain"]) / sum(g.seconds for g in runs["plain"])
+            sm["partial"] = {"prompts_done": i, **{n: summary(r, plain_tok_s) for n, r in runs.items()}}
+            dump(Path(a.out), "bench.json", res)
+        runs["plain"].append(decode_plain(model, x, a.max_new_bench, target.eos_ids, graphs))
+        runs["chain5"].append(decode_chain(model, drafter, x, a.max_new_bench, 5, target.eos_ids, graphs))
+        runs["tree"].append(decode_tree(model, drafter, x, a.max_new_bench, tree, target.eos_ids, graphs))
+        if a.chain_device:
+            runs["chain5_device"].append(decode_tree(model, drafter, x, a.max_new_bench, chain_tree, target.eos_ids, graphs))
+        for name, spec in other_trees.items():  # each prompt's runs side by side, so every run meets the same clocks
+            runs[name].append(decode_tree(model, drafter, x, a.max_new_bench, spec, target.eos_ids, graphs))
+        if plain_drafter is not None:
+            runs["tree_uncompiled_drafter"].append(decode_tree(model, plain_drafter, x, a.max_new_bench, tree, target.eos_ids, graphs))
+
+    sm.pop("partial", None)
     sm["plain"] = summary(runs["plain"])
     base = sm["baseline_tok_s"] = sm["plain"]["tok_s"]
     for name in [n for n in ("chain5", "tree", "chain5_device", *other_trees) if n in runs]:
