@@ -38,8 +38,8 @@ if [ -n "${QUICK_ENGINES:-}" ]; then
   # expression; none when unset), then the real-model bench (shipped drafter, T=0, no HF, no 8B) on each engine, with
   # the greedy trees of GREEDY_TREES (h200_run.py --greedy-trees, e.g. "4x5x16,8x4x24") beside the main one
   # -> OUT/pytest-gpu-changed.txt, OUT/bench-ENGINE/bench.json (BENCH_LIMIT seconds each, 420 unset; a bench cut by
-  # it leaves only smollm2.partial, the figures of the prompts timed so far, every 16); TREE_CYCLE (tree_cycle.py's --variants) first times
-  # the tree cycle on random weights for the shapes of TREE_SPECS -> OUT/tree-cycle.json
+  # it leaves only smollm2.partial, the figures of the prompts timed so far, every 16); TREE_CYCLE (tree_cycle.py's
+  # --variants) first times the tree cycle on random weights for the shapes of TREE_SPECS -> OUT/tree-cycle.json
   if [ -n "${QUICK_TESTS:-}" ]; then  # -v: a test's result is written as it ends, so a step cut by its limit still says which failed
     step pytest-gpu-changed 420 bash -c "set -o pipefail; python3 -m pytest -v --tb=short -m gpu tests/test_decode.py \
       tests/test_kernels.py tests/test_draft.py -k '$QUICK_TESTS' -p no:logging 2>&1 | tee '$out/pytest-gpu-changed.txt'"

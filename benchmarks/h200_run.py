@@ -245,12 +245,12 @@ def bench_smollm(a, res):
                        draft_s=round(sum(g.draft_seconds for g in gens), 2), verify_s=round(sum(g.verify_seconds for g in gens), 2),
                        other_s=round(secs - sum(g.draft_seconds + g.verify_seconds for g in gens), 2))
         if base is not None:
-            out["speedup"] = round((n / secs) / base, 3)
+            out["speedup"] = round(out["tok_s"] / base, 3)
         return out
 
     for i, x in enumerate(ids):
         if i and i % 16 == 0:  # what is timed so far, so a bench cut by a time limit still leaves figures
-            plain_tok_s = sum(len(g.tokens) for g in runs["plain"]) / sum(g.seconds for g in runs["plain"])
+            plain_tok_s = summary(runs["plain"])["tok_s"]
             sm["partial"] = {"prompts_done": i, **{n: summary(r, plain_tok_s) for n, r in runs.items()}}
             dump(Path(a.out), "bench.json", res)
         runs["plain"].append(decode_plain(model, x, a.max_new_bench, target.eos_ids, graphs))
@@ -267,8 +267,7 @@ def bench_smollm(a, res):
     sm["plain"] = summary(runs["plain"])
     base = sm["baseline_tok_s"] = sm["plain"]["tok_s"]
     for name in [n for n in ("chain5", "tree", "chain5_device", *other_trees) if n in runs]:
-        sm[name] = summary(runs[name])
-        sm[name]["speedup"] = round(sm[name]["tok_s"] / base, 3)
+        sm[name] = summary(runs[name], base)
         same = sum(p.tokens == g.tokens for p, g in zip(runs["plain"], runs[name]))
         agree = sum(dec.greedy_agreement(model, x, g.tokens, graphs) for x, g in zip(ids, runs[name]))
         sm[name].update(identical_prompts=f"{same}/{len(ids)}", greedy_agreement=round(agree / sm[name]["tokens"], 5))
@@ -276,8 +275,7 @@ def bench_smollm(a, res):
         sm[name]["settings"] = {"topk": spec.topk, "steps": spec.steps, "num_draft_tokens": spec.num_draft_tokens}
     sm["drafter_compiled"] = getattr(drafter, "compile_backend", None) or False
     if plain_drafter is not None:  # the same tree decoding with the drafter's steps left uncompiled
-        sm["tree_uncompiled_drafter"] = summary(runs["tree_uncompiled_drafter"])
-        sm["tree_uncompiled_drafter"]["speedup"] = round(sm["tree_uncompiled_drafter"]["tok_s"] / base, 3)
+        sm["tree_uncompiled_drafter"] = summary(runs["tree_uncompiled_drafter"], base)
         sm["tree_uncompiled_drafter"]["identical_to_compiled_prompts"] = sum(
             u.tokens == c.tokens for u, c in zip(runs["tree_uncompiled_drafter"], runs["tree"]))
     sm["bf16_greedy_agreement_ge_99pct"] = all(sm[n]["greedy_agreement"] >= AGREEMENT_FLOOR for n in ("chain5", "tree"))
@@ -297,9 +295,8 @@ def bench_smollm(a, res):
             for entry, spec in sampled_specs.items():
                 key = f"tree_{name}" + (f"_{entry.replace(':', '_')}" if len(sampled_specs) > 1 else "")
                 sm[key] = summary([dec.decode_tree_sampled(model, drafter, x, a.max_new_bench, spec, temp, 1.0, target.eos_ids,
-                                                           gen, graphs) for x in ids])
+                                                           gen, graphs) for x in ids], sm[f"plain_{name}"]["tok_s"])
                 sm[key].update(tree=f"{spec.topk}x{spec.steps}x{spec.num_draft_tokens}", draws=spec.draws_at(temp))
-                sm[key]["speedup"] = round(sm[key]["tok_s"] / sm[f"plain_{name}"]["tok_s"], 3)
         except Exception as e:  # noqa: BLE001
             sm[f"tree_{name}_error"] = repr(e)[:500]
         dump(Path(a.out), "bench.json", res)
