@@ -35,7 +35,7 @@ step() {  # step NAME SECONDS CMD...: runs CMD, records its exit status and wall
 echo "commit ${DRAFTSMITH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)} $(date -u +%FT%TZ)" >"$out/steps.txt"
 if [ -n "${QUICK_ENGINES:-}" ]; then
   # QUICK_ENGINES="triton triton_pdl" (with BENCH_GGUF): the GPU tests whose names match QUICK_TESTS (a pytest -k
-  # expression; none when unset), then the real-model bench (shipped drafter, T=0, no HF, no 8B) on each engine, with
+  # expression; none when unset), then the real-model bench (shipped drafter, T=0 (BENCH_T1=1 adds T=1), no HF, no 8B) on each engine, with
   # the greedy trees of GREEDY_TREES (h200_run.py --greedy-trees, e.g. "4x5x16,8x4x24") beside the main one
   # -> OUT/pytest-gpu-changed.txt, OUT/bench-ENGINE/bench.json (BENCH_LIMIT seconds each, 420 unset; a bench cut by
   # it leaves only smollm2.partial, the figures of the prompts timed so far, every 16); TREE_CYCLE (tree_cycle.py's
@@ -50,8 +50,8 @@ if [ -n "${QUICK_ENGINES:-}" ]; then
   fi
   for engine in $QUICK_ENGINES; do
     step "bench-$engine" "${BENCH_LIMIT:-420}" python3 benchmarks/h200_run.py bench --gguf "${BENCH_GGUF:?QUICK_ENGINES needs BENCH_GGUF}" \
-      --data "${BENCH_DATA:-/tmp/data}" --drafter draftsmith/assets/drafter --engine "$engine" --no-with-8b --no-hf --no-t1 \
-      --greedy-trees "${GREEDY_TREES:-}" --out "$out/bench-$engine"
+      --data "${BENCH_DATA:-/tmp/data}" --drafter draftsmith/assets/drafter --engine "$engine" --no-with-8b --no-hf \
+      "$([ "${BENCH_T1:-0}" = 1 ] && echo --t1 || echo --no-t1)" --greedy-trees "${GREEDY_TREES:-}" --out "$out/bench-$engine"
   done
   touch "$out/done"
   exit 0
