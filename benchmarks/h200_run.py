@@ -374,7 +374,6 @@ TRITON_VARIANTS = {"triton": {}, "triton_torch_commit": {"move_slots": False}, "
                    "triton_cols32": {"cols": 32}, "triton_cols64": {"cols": 64}, "triton_torch_head": {"head": False},
                    "triton_ksplit2": {"ksplit": 2}, "triton_ksplit4": {"ksplit": 4}, "triton_merge_last": {"merge_last": True},
                    "triton_cols16_ksplit2": {"cols": 16, "ksplit": 2}, "triton_pdl": {"pdl": True},
-                   "triton_pdl16": {"pdl": True, "pdl_rows": 16},
                    "triton_pdl_merge_last": {"pdl": True, "merge_last": True},
                    "triton_pdl_ksplit2": {"pdl": True, "ksplit": 2}, "triton_pdl_ksplit4": {"pdl": True, "ksplit": 4},
                    # the H100's fastest 8B-shape tuning (logs/engine-8b-sweep-h100-3ff982a.json)

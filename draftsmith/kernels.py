@@ -87,10 +87,6 @@ class Tuning:
     # waits on the device for it to finish, instead of being launched after it (to hide the launch gaps of
     # SmolLM2's ~180 dependent kernels a step: 12% of its one-token step on an H100); the arithmetic is unchanged
     pdl: bool = False
-    # with pdl: only in passes of at most this many tokens (0: every pass). PDL changes no arithmetic, so a token's
-    # bits are the same with it on or off; on the H100 it sped up one-token steps and chain verifies but slowed
-    # the tree's 49-token verify by 9% (logs/h100-bench-triton-pdl-3ff982a.json), whose grids fill more than a wave
-    pdl_rows: int = 0
 
     def __post_init__(self):
         for name in ("bk_max", "slots"):
@@ -107,8 +103,6 @@ class Tuning:
             raise ValueError(f"Tuning.pairs must be a power of 2 >= 16, got {self.pairs}")
         if not 1 <= self.ksplit <= 16:
             raise ValueError(f"Tuning.ksplit must be 1 (no split) to 16, got {self.ksplit}")
-        if not 0 <= self.pdl_rows <= MAX_T:
-            raise ValueError(f"Tuning.pdl_rows must be 0 (every pass) to {MAX_T}, got {self.pdl_rows}")
         if not 0 <= self.stages <= 8:
             raise ValueError(f"Tuning.stages must be 0 (Triton's default) to 8, got {self.stages}")
 
@@ -550,7 +544,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     kv, S = k.shape[1], k.shape[2]
     grid, bs = (kv, T), tuning.slots_for(q.element_size())
     common = dict(H=h, KV=kv, D=D, BM=max(ROWS, triton.next_power_of_2(h // kv)), TMAX=MAX_T, PREC=_precision(q),
-                  num_warps=tuning.warps, **_pdl(tuning, q, T))
+                  num_warps=tuning.warps, **_pdl(tuning, q))
     if not tuning.split:
         _attention[grid](q, k, v, mask, input_pos, out, T, S, mask.stride(0), mask.stride(1), D**-0.5, BS=bs, **common)
         return
@@ -564,7 +558,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
                                       **common)
     if not tuning.merge_last:
         _attention_merge[(T * h,)](pm, pl, pacc, input_pos, out, T, H=h, D=D, CH=tuning.split, NCP=ncp, TMAX=MAX_T,
-                                   **_pdl(tuning, q, T))
+                                   **_pdl(tuning, q))
 
 
 def layer_forward(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: torch.Tensor,
@@ -579,7 +573,7 @@ def layer_forward(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     cos, sin = cos.reshape(-1, D)[-T:].contiguous(), sin.reshape(-1, D)[-T:].contiguous()  # (T, D)
     rows = triton.cdiv(T, ROWS)  # row tiles
     size = x.element_size()
-    mm = _matmul_options(x, tuning, T)
+    mm = _matmul_options(x, tuning)
     bk = tuning.bk(Hd, size)
     bias = attn.qkv.bias
     q = torch.empty(T, h, D, dtype=x.dtype, device=x.device)
@@ -607,21 +601,19 @@ def _precision(x: torch.Tensor) -> str:
     return "ieee" if x.dtype == torch.float32 else "tf32"
 
 
-def _matmul_options(x: torch.Tensor, tuning: Tuning, tokens: int) -> dict:
-    """The matmul kernels' launch options for x's dtype in a pass of `tokens` (layer_forward's and the head's alike)."""
+def _matmul_options(x: torch.Tensor, tuning: Tuning) -> dict:
+    """The matmul kernels' launch options for x's dtype (layer_forward's and the head's alike)."""
     return dict(BM=ROWS, PREC=_precision(x), num_warps=tuning.warps, **({"num_stages": tuning.stages} if tuning.stages else {}),
-                **_pdl(tuning, x, tokens))
+                **_pdl(tuning, x))
 
 
-def _pdl(tuning: Tuning, like: torch.Tensor, tokens: int) -> dict:
-    """The PDL switch a kernel of a pass of `tokens` takes (_pdl_start) and, when on, the launch option that goes with
-    it: a GPU's launch feature, so off for CPU tensors (the interpreter), and off in passes of more than
-    Tuning.pdl_rows tokens where that is set. Off too where torch.compile traces the launch
+def _pdl(tuning: Tuning, like: torch.Tensor) -> dict:
+    """The PDL switch a kernel takes (_pdl_start) and, when on, the launch option that goes with it: a GPU's
+    launch feature, so off for CPU tensors (the interpreter). Off too where torch.compile traces the launch
     (the head's kernels inside a compiled acceptance step): its analysis of which arguments a kernel writes
     cannot read PDL's inline assembly and then takes every argument as written (cloning the lm_head's weight
     at each call), and nothing is known of how inductor would launch the kernel."""
-    on = (tuning.pdl and like.device.type != "cpu" and not torch.compiler.is_compiling()
-          and (not tuning.pdl_rows or tokens <= tuning.pdl_rows))
+    on = tuning.pdl and like.device.type != "cpu" and not torch.compiler.is_compiling()
     return dict(PDL=on, **({"launch_pdl": True} if on else {}))
 
 
@@ -631,7 +623,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, tuning: Tuning = 
     x2 = x.reshape(-1, K).contiguous()
     out = torch.empty_like(x2)
     _rmsnorm[(triton.cdiv(x2.shape[0], ROWS),)](x2, weight, out, x2.shape[0], eps, K=K, BK=tuning.bk(K, x.element_size()),
-                                                BM=ROWS, num_warps=tuning.warps, **_pdl(tuning, x, x2.shape[0]))
+                                                BM=ROWS, num_warps=tuning.warps, **_pdl(tuning, x))
     return out.view(x.shape)
 
 
@@ -651,7 +643,7 @@ def _matmul(a: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None
     parts = torch.empty(ks, T, N, dtype=torch.float32, device=a.device) if ks > 1 else _unused(a)
     count = _counters(a, grid[0] * grid[1]) if ks > 1 else _unused(a)
     _linear[grid](a, weight, _unused(a) if residual is None else residual, y, parts, count, T, K=K, N=N,
-                  BN=bn, BK=bk, RESIDUAL=residual is not None, KS=ks, KP=kp, **_matmul_options(a, tuning, T))
+                  BN=bn, BK=bk, RESIDUAL=residual is not None, KS=ks, KP=kp, **_matmul_options(a, tuning))
     return y
 
 

@@ -514,15 +514,11 @@ def test_pdl_is_off_on_the_cpu_and_where_torch_compile_traces_the_launch(monkeyp
     writes cannot read its inline assembly (it then takes every argument as written): off in both."""
     on = kernels.Tuning(pdl=True)
     gpu_like = torch.empty(1, device="meta")
-    assert kernels._pdl(on, gpu_like, 49) == {"PDL": True, "launch_pdl": True}
-    assert kernels._pdl(kernels.Tuning(), gpu_like, 1) == {"PDL": False}
-    assert kernels._pdl(on, torch.empty(1), 1) == {"PDL": False}
-    short = kernels.Tuning(pdl=True, pdl_rows=16)  # on for steps and chain verifies, off for the tree's 49-token pass
-    assert [kernels._pdl(short, gpu_like, t)["PDL"] for t in (1, 6, 16, 17, 49)] == [True, True, True, False, False]
-    with pytest.raises(ValueError, match="pdl_rows"):
-        kernels.Tuning(pdl=True, pdl_rows=65)
+    assert kernels._pdl(on, gpu_like) == {"PDL": True, "launch_pdl": True}
+    assert kernels._pdl(kernels.Tuning(), gpu_like) == {"PDL": False}
+    assert kernels._pdl(on, torch.empty(1)) == {"PDL": False}
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert kernels._pdl(on, gpu_like, 1) == {"PDL": False}
+    assert kernels._pdl(on, gpu_like) == {"PDL": False}
 
 
 def test_layers_the_kernels_do_not_cover_keep_the_torch_path():
@@ -565,9 +561,9 @@ SMOLLM2_WIDTHS = dict(hidden_size=576, num_attention_heads=9, num_key_value_head
 @pytest.mark.parametrize("tuning,compiled", [(kernels.Tuning(), False), (kernels.Tuning(split=0), True),
                                              (kernels.Tuning(ksplit=2, merge_last=True), False),
                                              (kernels.Tuning(pdl=True, ksplit=2, merge_last=True), False),
-                                             (kernels.Tuning(pdl=True), True), (kernels.Tuning(pdl=True, pdl_rows=16), True)],
+                                             (kernels.Tuning(pdl=True), True)],
                          ids=["default", "unsplit-compiled-drafter", "ksplit2-merge-last", "pdl-ksplit2-merge-last",
-                              "pdl-compiled-drafter", "pdl16-compiled-drafter"])
+                              "pdl-compiled-drafter"])
 def test_speculation_on_cuda_kernels_at_smollm2_widths_equals_plain(tuning, compiled, dtype):
     """The device bench's exactness check, at SmolLM2's widths with the default Tuning under CUDA
     graphs: the fp32 tiles must fit an SM (the bench's fp32 check once died of OutOfResources) and a
