@@ -773,9 +773,11 @@ def main():
                     " at 8c7a00e: the same accepts, 1610.9 decode tok/s against the host chain's 1656.0)")
     ap.add_argument("--drafter-ab", action=argparse.BooleanOptionalAction, default=False,
                     help="bench: also time the tree with the drafter uncompiled (run 6 measured it: 0.96x vs 1.45x)")
-    ap.add_argument("--engine", default="triton", choices=sorted({*ENGINE_VARIANTS[1:], *TRITON_VARIANTS}),
+    ap.add_argument("--engine", default="triton_pdl", choices=sorted({*ENGINE_VARIANTS[1:], *TRITON_VARIANTS}),
                     help="bench: how the SmolLM2 engine is optimised (triton: faster than compiled in plain, chain and tree"
-                    " decoding on the H200, h200-decode.json engine_8c7a00e)")
+                    " decoding on the H200, h200-decode.json engine_8c7a00e; triton_pdl, the same kernels launched with"
+                    " PDL: plain 1235.1 tok/s against triton's 1087.7, chain 2057.0 against 1878.7, tree 1327.6 against"
+                    " 1322.0 on one H100 at 333a911, logs/h100-bench-triton{,_pdl}-333a911.json)")
     ap.add_argument("--with-8b", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--gguf")
     ap.add_argument("--data")
