@@ -1,8 +1,8 @@
-"""The cost model (draftsmith/cost.py) applied to the H200 bench runs: per-cycle costs of chain and
-tree speculation on SmolLM2, the accept length each engine needs to break even and to reach 2x and
-3x, and what the issue's accept-length targets would buy at those costs.
+"""The cost model (draftsmith/cost.py) applied to the H200 bench runs (or, with --card h100, the H100's):
+per-cycle costs of chain and tree speculation on SmolLM2, the accept length each engine needs to break
+even and to reach 2x and 3x, and what the issue's accept-length targets would buy at those costs.
 
-    python benchmarks/cost_h200.py [--out benchmarks/results/cost-model-h200.json]
+    python benchmarks/cost_h200.py [--card h200|h100] [--out benchmarks/results/cost-model-CARD.json]
 
 Decode-only: prefill is taken out of both sides (bench.json's prefill_s), as decode_tok_s does.
 A cycle's accept length counts the bonus token; each prompt's first token comes from prefill.
@@ -27,6 +27,11 @@ RUNS = {  # engine -> bench log (the shipped drafter, all 80 MT-bench first turn
     # drafter's prompt pass in captured passes, one cycle in 8 timed
     "triton, bit-exact tree, captured prefill (1011bf3)": LOGS / "bench-full-1011bf3.json",
 }
+RUNS_H100 = {  # the same bench on one H100, one machine for all three (the shipped run-11 cut)
+    # the chain on the device-resident cycle (decode.verify_chain)
+    "triton, device-resident chain (333a911)": LOGS / "h100-bench-triton-333a911.json",
+    "triton_pdl, device-resident chain (333a911)": LOGS / "h100-bench-triton_pdl-333a911.json",
+}
 STEPS = {"chain5": 5, "tree": 6}  # drafter steps a cycle: 5 drafts; the 8x6x48 tree's depth
 TARGETS = {"chain5": 3.5, "tree": 5.0}  # issue 4's accept lengths
 
@@ -43,11 +48,15 @@ def cycle_costs(sm: dict, mode: str) -> tuple[CycleCosts, float, float]:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "cost-model-h200.json"))
+    ap.add_argument("--card", choices=("h200", "h100"), default="h200", help="whose bench runs")
+    ap.add_argument("--out", help="default: benchmarks/results/cost-model-CARD.json")
     a = ap.parse_args()
-    res = {"command": "python benchmarks/cost_h200.py", "inputs": {k: str(v.relative_to(LOGS.parent)) for k, v in RUNS.items()},
+    runs = RUNS if a.card == "h200" else RUNS_H100
+    out = a.out or str(Path(__file__).parent / "results" / f"cost-model-{a.card}.json")
+    res = {"command": "python benchmarks/cost_h200.py" + ("" if a.card == "h200" else f" --card {a.card}"),
+           "inputs": {k: str(v.relative_to(LOGS.parent)) for k, v in runs.items()},
            "model": "speedup = tau * T_ar / (S * T_draft + T_verify + T_other), decode-only (draftsmith/cost.py)"}
-    for engine, path in RUNS.items():
+    for engine, path in runs.items():
         sm = json.loads(path.read_text())["smollm2"]
         sec = res[engine] = {}
         for mode in STEPS:
@@ -64,7 +73,7 @@ def main():
                 sec[mode]["acceptance_for_2x"] = acceptance_needed(c.tau_needed(2.0), 5)
                 sec[mode]["acceptance_for_3x"] = acceptance_needed(c.tau_needed(3.0), 5)
             print(engine, mode, json.dumps(sec[mode]))
-    Path(a.out).write_text(json.dumps(res, indent=1))
+    Path(out).write_text(json.dumps(res, indent=1))
     print(json.dumps(res))
 
 
