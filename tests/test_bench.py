@@ -76,10 +76,20 @@ def test_device_bench_fails_loudly_when_speculation_disagrees():
 
 
 def test_bench_config_names_bad_kernel_choices():
-    with pytest.raises(ValueError, match="kernels must be torch or triton"):
+    with pytest.raises(ValueError, match="kernels must be torch, triton or triton_pdl"):
         BenchConfig(target="t", drafter="d", prompts="p", kernels="cuda-graphs")
-    with pytest.raises(ValueError, match="needs a CUDA device"):
-        BenchConfig(target="t", drafter="d", prompts="p", kernels="triton")
+    for kernels in ("triton", "triton_pdl"):
+        with pytest.raises(ValueError, match=f"kernels {kernels} needs a CUDA device"):
+            BenchConfig(target="t", drafter="d", prompts="p", kernels=kernels)
+
+
+def test_bench_kernels_choice_reaches_the_engine_as_kernels_and_tuning():
+    from draftsmith.bench import engine_kernels
+    from draftsmith.kernels import Tuning
+
+    assert engine_kernels("torch") == {"kernels": "torch"}
+    assert engine_kernels("triton") == {"kernels": "triton"}  # optimize() takes the default Tuning
+    assert engine_kernels("triton_pdl") == {"kernels": "triton", "tuning": Tuning(pdl=True)}
 
 
 def test_the_device_jobs_default_sweep_and_variants_are_ones_the_scripts_take():
