@@ -52,7 +52,7 @@ if [ -n "${QUICK_ENGINES:-}" ]; then
   # name and then mv it into place): wait for it up to GGUF_WAIT seconds (300 unset)
   step wait-gguf "${GGUF_WAIT:-300}" bash -c "until [ -e '${BENCH_GGUF:?QUICK_ENGINES needs BENCH_GGUF}' ]; do sleep 2; done"
   for engine in $QUICK_ENGINES; do
-    step "bench-$engine" "${BENCH_LIMIT:-420}" python3 benchmarks/h200_run.py bench --gguf "${BENCH_GGUF:?QUICK_ENGINES needs BENCH_GGUF}" \
+    step "bench-$engine" "${BENCH_LIMIT:-420}" python3 benchmarks/h200_run.py bench --gguf "$BENCH_GGUF" \
       --data "${BENCH_DATA:-/tmp/data}" --drafter draftsmith/assets/drafter --engine "$engine" --no-with-8b --no-hf \
       "$([ "${BENCH_T1:-0}" = 1 ] && echo --t1 || echo --no-t1)" --greedy-trees "${GREEDY_TREES:-}" --out "$out/bench-$engine"
   done

@@ -63,9 +63,11 @@ class Tuning:
     (logs/h100-bench-triton-pdl-3ff982a.json) plain decoding 7% faster but the tree's verify passes 9% slower;
     at 333a911 on one H100 (logs/h100-bench-triton{,_pdl}-333a911.json) plain 13.5% faster, the chain 9.5%, the
     tree level (1327.6 against 1322.0 tok/s). Off by default all the same: at the 8B shape it needs ksplit=4 to
-    help (without it, 6.66 against 5.94 ms a step on the H100); the bench picks variant triton_pdl. ksplit: the 8B shape's fastest tuning on the H100 has ksplit=4 with pdl (5.80 ms against the
-    default's 6.19, logs/engine-8b-sweep-h100-3ff982a.json); untimed on SmolLM2's shape and on the H200, so
-    off. head (on, so that a token's logits do not depend on its pass): its speed against cuBLAS is unmeasured."""
+    help (without it, 6.66 against 5.94 ms a step on the H100); SmolLM2's benches ask for it (h200_run.py's
+    default engine triton_pdl, `draftsmith bench --kernels triton_pdl`). ksplit: the 8B shape's fastest tuning
+    on the H100 has ksplit=4 with pdl (5.80 ms against the default's 6.19, logs/engine-8b-sweep-h100-3ff982a.json);
+    untimed on SmolLM2's shape and on the H200, so off. head (on, so that a token's logits do not depend on its
+    pass): its speed against cuBLAS is unmeasured."""
     bk_max: int = 256  # reduction tile: K rounded up to a power of 2, at most this
     slots: int = 128  # attention: cache slots a step
     warps: int = 4
