@@ -91,8 +91,9 @@ class Tuning:
     # waits on the device for it to finish, instead of being launched after it (to hide the launch gaps of
     # SmolLM2's ~180 dependent kernels a step: 12% of its one-token step on an H100); the arithmetic is unchanged
     pdl: bool = False
-    # with pdl: before waiting on the kernel before it, each matmul program asks L2 for its weight tiles (one
-    # prefetch a 128-byte line), so their HBM latency passes while that kernel still runs; arithmetic unchanged
+    # with pdl: before waiting on the kernel before it, each matmul program asks L2 for its weight tiles and each
+    # split-attention program for its chunk of the KV cache (one prefetch a 128-byte line), so their HBM latency
+    # passes while that kernel still runs; arithmetic unchanged
     prefetch: bool = False
 
     def __post_init__(self):
@@ -381,12 +382,16 @@ def _attention(q_ptr, kc_ptr, vc_ptr, m_ptr, slot_ptr, o_ptr, n_rows, S, m_row, 
 def _attention_part(q_ptr, kc_ptr, vc_ptr, m_ptr, slot_ptr, pm_ptr, pl_ptr, pacc_ptr, o_ptr, count_ptr, n_rows, S, m_row,
                     m_col, scale, H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr,
                     TMAX: tl.constexpr, CH: tl.constexpr, PREC: tl.constexpr, MERGE: tl.constexpr, NCP: tl.constexpr,
-                    PDL: tl.constexpr):
+                    LINE: tl.constexpr, PF: tl.constexpr, PDL: tl.constexpr):
     # split-KV (flash-decoding): program (kv head, token, chunk c of CH keys) attends over its chunk and
     # writes the running max, sum and unnormalised output for _attention_merge. Chunks at or past the
     # pass's end write nothing (the merge reads only the chunks below it); those past the token's own
     # keys write (-inf, 0, 0), as a one-token step's merge reads them there. With MERGE the last chunk
-    # program of (kv head, token) to finish merges them (Tuning.merge_last)
+    # program of (kv head, token) to finish merges them (Tuning.merge_last). With PF, the chunk's cache
+    # rows are asked of L2 first (the pass's own slots among them: a hint, read again after the wait)
+    cs = tl.program_id(2) * CH + tl.arange(0, CH)
+    _prefetch(kc_ptr, tl.program_id(0) * S + cs, cs < S, 0, D, D, LINE, PF)
+    _prefetch(vc_ptr, tl.program_id(0) * S + cs, cs < S, 0, D, D, LINE, PF)
     _pdl_start(PDL)
     t, head, ok, q, base, end, vis, rank, move, hi = _token_rows(q_ptr, slot_ptr, m_ptr, n_rows, m_row, m_col, H, KV, D, BM,
                                                                  TMAX, TMAX)
@@ -582,7 +587,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     count = _counters(q, kv * MAX_T) if tuning.merge_last else _unused(q)
     _attention_part[(*grid, chunks)](q, k, v, mask, input_pos, pm, pl, pacc, out, count, T, S, mask.stride(0), mask.stride(1),
                                       D**-0.5, BS=min(bs, tuning.split), CH=tuning.split, MERGE=tuning.merge_last, NCP=ncp,
-                                      **common)
+                                      **_prefetch_lines(tuning, q, D), **common)
     if not tuning.merge_last:
         _attention_merge[(T * h,)](pm, pl, pacc, input_pos, out, T, H=h, D=D, CH=tuning.split, NCP=ncp, TMAX=MAX_T,
                                    **_pdl(tuning, q))
