@@ -147,7 +147,7 @@ def _prefetch(w_ptr, rows, rows_ok, lo, K: tl.constexpr, SPAN: tl.constexpr, LIN
         e = lo + tl.arange(0, LINES) * LINE
         ok = rows_ok[:, None] & (e[None, :] < lo + SPAN) & (e[None, :] < K)
         at = (w_ptr + tl.where(ok, rows[:, None] * K + e[None, :], 0)).to(tl.int64)
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [at], dtype=tl.int32,
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [at], dtype=tl.int32,
                                   is_pure=False, pack=1)
 
 
