@@ -377,11 +377,7 @@ TRITON_VARIANTS = {"triton": {}, "triton_torch_commit": {"move_slots": False}, "
                    "triton_pdl_merge_last": {"pdl": True, "merge_last": True},
                    "triton_pdl_ksplit2": {"pdl": True, "ksplit": 2}, "triton_pdl_ksplit4": {"pdl": True, "ksplit": 4},
                    # the H100's fastest 8B-shape tuning (logs/engine-8b-sweep-h100-3ff982a.json)
-                   "triton_pdl_ksplit4_pairs32_split64": {"pdl": True, "ksplit": 4, "pairs": 32, "split": 64},
-                   # the same with the weight tiles prefetched into L2 before each kernel's PDL wait
-                   "triton_pdl_prefetch": {"pdl": True, "prefetch": True},
-                   "triton_pdl_ksplit4_pairs32_split64_prefetch": {"pdl": True, "ksplit": 4, "pairs": 32, "split": 64,
-                                                                   "prefetch": True}}
+                   "triton_pdl_ksplit4_pairs32_split64": {"pdl": True, "ksplit": 4, "pairs": 32, "split": 64}}
 ENGINE_VARIANTS = ("graphs", "compiled", "compiled_model", "compiled_model_cdt", "compiled_sdpa", "compiled_autotune", "triton",
                    "triton_sweep")  # engine's default --variants
 

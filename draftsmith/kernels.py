@@ -91,10 +91,6 @@ class Tuning:
     # waits on the device for it to finish, instead of being launched after it (to hide the launch gaps of
     # SmolLM2's ~180 dependent kernels a step: 12% of its one-token step on an H100); the arithmetic is unchanged
     pdl: bool = False
-    # with pdl: before waiting on the kernel before it, each matmul program asks L2 for its weight tiles and each
-    # split-attention program for its chunk of the KV cache (one prefetch a 128-byte line), so their HBM latency
-    # passes while that kernel still runs; arithmetic unchanged
-    prefetch: bool = False
 
     def __post_init__(self):
         for name in ("bk_max", "slots"):
@@ -131,24 +127,10 @@ def _rows(a_ptr, rm, rk, n_rows, K: tl.constexpr):
 def _pdl_start(PDL: tl.constexpr):
     """With programmatic dependent launch (Tuning.pdl) a kernel is put on the GPU while the one before it
     still runs: it waits here until that one has finished and its writes are visible (so nothing before
-    this call may read or write memory that kernel writes: only _prefetch's weight hints come first), then
-    lets the next kernel be launched in turn."""
+    this call may touch memory), then lets the next kernel be launched in turn."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def _prefetch(w_ptr, rows, rows_ok, lo, K: tl.constexpr, SPAN: tl.constexpr, LINE: tl.constexpr, LINES: tl.constexpr):
-    """Asks L2 for columns lo .. lo + SPAN of weight rows `rows` (row-major, K long), one prefetch a
-    128-byte line of LINE elements (LINES a row, a power of 2; 0: nothing). A hint only: called before
-    _pdl_start's wait, it reads no memory the kernel before this one writes, and changes no result."""
-    if LINES > 0:
-        e = lo + tl.arange(0, LINES) * LINE
-        ok = rows_ok[:, None] & (e[None, :] < lo + SPAN) & (e[None, :] < K)
-        at = (w_ptr + tl.where(ok, rows[:, None] * K + e[None, :], 0)).to(tl.int64)
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [at], dtype=tl.int32,
-                                  is_pure=False, pack=1)
 
 
 @triton.jit
@@ -230,20 +212,18 @@ def _qkv_out(acc1, acc2, rm, head, d1, b_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr,
 def _qkv_rope_cache(x_ptr, nw_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, p_ptr, count_ptr,
                     n_rows, S, eps, K: tl.constexpr, D: tl.constexpr, H: tl.constexpr, KV: tl.constexpr,
                     BP: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, HAS_BIAS: tl.constexpr, PREC: tl.constexpr,
-                    KS: tl.constexpr, KP: tl.constexpr, LINE: tl.constexpr, PF: tl.constexpr, PDL: tl.constexpr):
+                    KS: tl.constexpr, KP: tl.constexpr, PDL: tl.constexpr):
     # program (head x K part, pair block, row tile); heads are q heads, then k heads, then v heads (qkv's
     # rows). A program computes BP rotary pairs (d, d + D/2) of one head, so it can rotate them itself.
     # With KS parts (Tuning.ksplit) each sums KP of K into fp32 partials p (KS, n_rows, qkv's columns); the
     # last part of (head, pairs, rows) to finish adds them up in order and finishes as an unsplit one does
+    _pdl_start(PDL)
     head = tl.program_id(0) // KS
     d1 = tl.program_id(1) * BP + tl.arange(0, BP)  # first halves; partners at d1 + D/2
+    rm = tl.program_id(2) * BM + tl.arange(0, BM)
     n1 = head * D + d1
     part = tl.program_id(0) % KS
     lo = part * KP if KS > 1 else 0
-    _prefetch(w_ptr, n1, d1 < D // 2, lo, K, KP, LINE, PF)
-    _prefetch(w_ptr, n1 + D // 2, d1 < D // 2, lo, K, KP, LINE, PF)
-    _pdl_start(PDL)
-    rm = tl.program_id(2) * BM + tl.arange(0, BM)
     acc1, acc2 = _normed_dots(x_ptr, nw_ptr, w_ptr, n1, n1 + D // 2, d1 < D // 2, rm, n_rows, eps, lo, K, KP, BP, BK, BM, PREC)
     if KS > 1:
         NQ: tl.constexpr = (H + 2 * KV) * D  # qkv's columns
@@ -382,16 +362,12 @@ def _attention(q_ptr, kc_ptr, vc_ptr, m_ptr, slot_ptr, o_ptr, n_rows, S, m_row, 
 def _attention_part(q_ptr, kc_ptr, vc_ptr, m_ptr, slot_ptr, pm_ptr, pl_ptr, pacc_ptr, o_ptr, count_ptr, n_rows, S, m_row,
                     m_col, scale, H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr,
                     TMAX: tl.constexpr, CH: tl.constexpr, PREC: tl.constexpr, MERGE: tl.constexpr, NCP: tl.constexpr,
-                    LINE: tl.constexpr, PF: tl.constexpr, PDL: tl.constexpr):
+                    PDL: tl.constexpr):
     # split-KV (flash-decoding): program (kv head, token, chunk c of CH keys) attends over its chunk and
     # writes the running max, sum and unnormalised output for _attention_merge. Chunks at or past the
     # pass's end write nothing (the merge reads only the chunks below it); those past the token's own
     # keys write (-inf, 0, 0), as a one-token step's merge reads them there. With MERGE the last chunk
-    # program of (kv head, token) to finish merges them (Tuning.merge_last). With PF, the chunk's cache
-    # rows are asked of L2 first (the pass's own slots among them: a hint, read again after the wait)
-    cs = tl.program_id(2) * CH + tl.arange(0, CH)
-    _prefetch(kc_ptr, tl.program_id(0) * S + cs, cs < S, 0, D, D, LINE, PF)
-    _prefetch(vc_ptr, tl.program_id(0) * S + cs, cs < S, 0, D, D, LINE, PF)
+    # program of (kv head, token) to finish merges them (Tuning.merge_last)
     _pdl_start(PDL)
     t, head, ok, q, base, end, vis, rank, move, hi = _token_rows(q_ptr, slot_ptr, m_ptr, n_rows, m_row, m_col, H, KV, D, BM,
                                                                  TMAX, TMAX)
@@ -447,16 +423,15 @@ def _merge_row(pm_ptr, pl_ptr, pacc_ptr, o_ptr, row, stride, n_chunks, D: tl.con
 @triton.jit
 def _linear(a_ptr, w_ptr, r_ptr, y_ptr, p_ptr, count_ptr, n_rows, K: tl.constexpr, N: tl.constexpr, BN: tl.constexpr,
             BK: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr, RESIDUAL: tl.constexpr, KS: tl.constexpr,
-            KP: tl.constexpr, LINE: tl.constexpr, PF: tl.constexpr, PDL: tl.constexpr):
+            KP: tl.constexpr, PDL: tl.constexpr):
     # y = r + a @ w^T (or a @ w^T), program (column block, row tile[, K part]). With KS parts each sums
     # KP of K into fp32 partials p (KS, n_rows, N); the last part of a tile to finish adds them up in order
-    rn = tl.program_id(0) * BN + tl.arange(0, BN)
-    lo = tl.program_id(2) * KP if KS > 1 else 0
-    _prefetch(w_ptr, rn, rn < N, lo, K, KP, LINE, PF)
     _pdl_start(PDL)
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
     rm = tl.program_id(1) * BM + tl.arange(0, BM)
     inside = (rm[:, None] < n_rows) & (rn[None, :] < N)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
+    lo = tl.program_id(2) * KP if KS > 1 else 0
     for k0 in range(lo, lo + KP, BK):
         rk = k0 + tl.arange(0, BK)
         w = tl.trans(tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0))
@@ -493,14 +468,11 @@ def _rmsnorm(x_ptr, nw_ptr, y_ptr, n_rows, eps, K: tl.constexpr, BK: tl.constexp
 
 @triton.jit
 def _gate_up(x_ptr, nw_ptr, w_ptr, y_ptr, n_rows, eps, K: tl.constexpr, I: tl.constexpr, BN: tl.constexpr,
-             BK: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr, LINE: tl.constexpr, PF: tl.constexpr,
-             PDL: tl.constexpr):
+             BK: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
     # y = silu(norm(x) @ gate^T) * (norm(x) @ up^T); w is gate_up (2I, K): gate rows, then up rows.
     # Program (column block, row tile), as _linear.
-    rn = tl.program_id(0) * BN + tl.arange(0, BN)
-    _prefetch(w_ptr, rn, rn < I, 0, K, K, LINE, PF)
-    _prefetch(w_ptr, rn + I, rn < I, 0, K, K, LINE, PF)
     _pdl_start(PDL)
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
     rm = tl.program_id(1) * BM + tl.arange(0, BM)
     acc_g, acc_u = _normed_dots(x_ptr, nw_ptr, w_ptr, rn, rn + I, rn < I, rm, n_rows, eps, 0, K, K, BN, BK, BM, PREC)
     dt = y_ptr.dtype.element_ty
@@ -587,7 +559,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     count = _counters(q, kv * MAX_T) if tuning.merge_last else _unused(q)
     _attention_part[(*grid, chunks)](q, k, v, mask, input_pos, pm, pl, pacc, out, count, T, S, mask.stride(0), mask.stride(1),
                                       D**-0.5, BS=min(bs, tuning.split), CH=tuning.split, MERGE=tuning.merge_last, NCP=ncp,
-                                      **_prefetch_lines(tuning, q, D), **common)
+                                      **common)
     if not tuning.merge_last:
         _attention_merge[(T * h,)](pm, pl, pacc, input_pos, out, T, H=h, D=D, CH=tuning.split, NCP=ncp, TMAX=MAX_T,
                                    **_pdl(tuning, q))
@@ -617,15 +589,14 @@ def layer_forward(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     _qkv_rope_cache[grid](
         x2, layer.input_layernorm.weight, attn.qkv.weight, bias if bias is not None else _unused(x), cos, sin, input_pos, q,
         cache.k, cache.v, parts, count, T, S, layer.input_layernorm.eps, K=Hd, D=D, H=h, KV=kv, BP=bp, BK=bk,
-        HAS_BIAS=bias is not None, KS=ks, KP=kp, **_prefetch_lines(tuning, x, kp), **mm)
+        HAS_BIAS=bias is not None, KS=ks, KP=kp, **mm)
     o = torch.empty(T, h * D, dtype=x.dtype, device=x.device)
     attention(q, cache.k, cache.v, mask[0, 0], input_pos, o, tuning)
     h1 = _matmul(o, attn.o_proj.weight, x2, tuning, tuning.ksplit)
     a = torch.empty(T, I, dtype=x.dtype, device=x.device)
     bi = tuning.cols or _block(I)
     post = layer.post_attention_layernorm
-    _gate_up[(triton.cdiv(I, bi), rows)](h1, post.weight, mlp.gate_up.weight, a, T, post.eps, K=Hd, I=I, BN=bi, BK=bk,
-                                         **_prefetch_lines(tuning, x, Hd), **mm)
+    _gate_up[(triton.cdiv(I, bi), rows)](h1, post.weight, mlp.gate_up.weight, a, T, post.eps, K=Hd, I=I, BN=bi, BK=bk, **mm)
     return _matmul(a, mlp.down_proj.weight, h1, tuning, tuning.ksplit).view(1, T, Hd)
 
 
@@ -648,14 +619,6 @@ def _pdl(tuning: Tuning, like: torch.Tensor) -> dict:
     at each call), and nothing is known of how inductor would launch the kernel."""
     on = tuning.pdl and like.device.type != "cpu" and not torch.compiler.is_compiling()
     return dict(PDL=on, **({"launch_pdl": True} if on else {}))
-
-
-def _prefetch_lines(tuning: Tuning, like: torch.Tensor, span: int) -> dict:
-    """_prefetch's LINE (elements a 128-byte line) and PF (lines a weight row's span of `span` columns, a power
-    of 2; 0 where Tuning.prefetch is off or PDL is: without PDL's early launch there is nothing to overlap)."""
-    line = 128 // like.element_size()
-    on = tuning.prefetch and _pdl(tuning, like)["PDL"]
-    return dict(LINE=line, PF=triton.next_power_of_2(triton.cdiv(span, line)) if on else 0)
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, tuning: Tuning = Tuning()) -> torch.Tensor:
@@ -684,8 +647,7 @@ def _matmul(a: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None
     parts = torch.empty(ks, T, N, dtype=torch.float32, device=a.device) if ks > 1 else _unused(a)
     count = _counters(a, grid[0] * grid[1]) if ks > 1 else _unused(a)
     _linear[grid](a, weight, _unused(a) if residual is None else residual, y, parts, count, T, K=K, N=N,
-                  BN=bn, BK=bk, RESIDUAL=residual is not None, KS=ks, KP=kp, **_prefetch_lines(tuning, a, kp),
-                  **_matmul_options(a, tuning))
+                  BN=bn, BK=bk, RESIDUAL=residual is not None, KS=ks, KP=kp, **_matmul_options(a, tuning))
     return y
 
 

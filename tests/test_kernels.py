@@ -94,16 +94,11 @@ def test_the_kernels_compile_for_an_h200(shape, dtypes, tmp_path):
     chunk program (their atomics and L2 reads). A loop-carried value whose dtype changes passes the
     interpreter and fails here."""
     run, report = compile_check(tmp_path, "--shape", shape, "--dtypes", dtypes, "--variants",
-                                "triton,triton_ksplit4,triton_merge_last,triton_pdl,triton_pdl_prefetch")
+                                "triton,triton_ksplit4,triton_merge_last,triton_pdl")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert report["failed"] == 0 and report["launches_compiled"] >= 8
     pdl = [r for r in report["results"] if r["variant"] == "triton_pdl" and r["kernel"] != "_move_slots"]
     assert pdl and all(r["griddepcontrol"] for r in pdl)  # every layer and head kernel waits on the one before
-    # Tuning.prefetch: each matmul and split-attention kernel issues its L2 hints before that wait (the check
-    # fails a launch whose PTX has none, or has them only after the wait); none without prefetch
-    hinted = {r["kernel"] for r in report["results"] if r["variant"] == "triton_pdl_prefetch" and r.get("prefetches")}
-    assert {"_qkv_rope_cache", "_attention_part", "_linear", "_gate_up"} <= hinted
-    assert not any(r.get("prefetches") for r in pdl)
     assert {"_qkv_rope_cache", "_attention_part", "_attention_merge", "_linear", "_gate_up", "_rmsnorm", "_move_slots"} <= {
         r["kernel"] for r in report["results"]}
 
@@ -522,12 +517,6 @@ def test_pdl_is_off_on_the_cpu_and_where_torch_compile_traces_the_launch(monkeyp
     assert kernels._pdl(on, gpu_like) == {"PDL": True, "launch_pdl": True}
     assert kernels._pdl(kernels.Tuning(), gpu_like) == {"PDL": False}
     assert kernels._pdl(on, torch.empty(1)) == {"PDL": False}
-    # Tuning.prefetch's L2 hints go before the PDL wait, so only with PDL on: 16 lines of 64 bf16 for a 576-wide row
-    hint = kernels.Tuning(pdl=True, prefetch=True)
-    assert kernels._prefetch_lines(hint, gpu_like.bfloat16(), 576) == {"LINE": 64, "PF": 16}
-    assert kernels._prefetch_lines(hint, gpu_like, 576) == {"LINE": 32, "PF": 32}  # fp32: 18 lines, rounded up
-    assert kernels._prefetch_lines(kernels.Tuning(prefetch=True), gpu_like, 576)["PF"] == 0
-    assert kernels._prefetch_lines(hint, torch.empty(1), 576)["PF"] == 0
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert kernels._pdl(on, gpu_like) == {"PDL": False}
 
@@ -572,10 +561,9 @@ SMOLLM2_WIDTHS = dict(hidden_size=576, num_attention_heads=9, num_key_value_head
 @pytest.mark.parametrize("tuning,compiled", [(kernels.Tuning(), False), (kernels.Tuning(split=0), True),
                                              (kernels.Tuning(ksplit=2, merge_last=True), False),
                                              (kernels.Tuning(pdl=True, ksplit=2, merge_last=True), False),
-                                             (kernels.Tuning(pdl=True), True),
-                                             (kernels.Tuning(pdl=True, prefetch=True), False)],
+                                             (kernels.Tuning(pdl=True), True)],
                          ids=["default", "unsplit-compiled-drafter", "ksplit2-merge-last", "pdl-ksplit2-merge-last",
-                              "pdl-compiled-drafter", "pdl-prefetch"])
+                              "pdl-compiled-drafter"])
 def test_speculation_on_cuda_kernels_at_smollm2_widths_equals_plain(tuning, compiled, dtype):
     """The device bench's exactness check, at SmolLM2's widths with the default Tuning under CUDA
     graphs: the fp32 tiles must fit an SM (the bench's fp32 check once died of OutOfResources) and a
