@@ -115,7 +115,7 @@ def main():
     ap.add_argument("--prompts", type=int, default=24)
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--variant", default="triton")
+    ap.add_argument("--variant", default="triton_default")
     ap.add_argument("--draft-vocab", type=int, default=8192)
     a = ap.parse_args()
     res = {"command": "benchmarks/chain_cycle.py " + " ".join(sys.argv[1:]), "commit": commit(),

@@ -137,7 +137,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="smollm2", choices=sorted(SHAPES))
     ap.add_argument("--dtypes", default="bfloat16,float32")
-    ap.add_argument("--variants", default="triton", help=f"kernels.Tuning variants (h200_run.TRITON_VARIANTS: {','.join(TRITON_VARIANTS)})"
+    ap.add_argument("--variants", default="triton_default", help=f"kernels.Tuning variants (h200_run.TRITON_VARIANTS: {','.join(TRITON_VARIANTS)})"
                     " or 'all'")
     ap.add_argument("--tuning", help="instead of --variants, kernels.Tuning fields as h200_run --sweep takes them, every"
                     " combination compiled: 'bk_max=1024' (one), 'split=64,256;ksplit=1,4' (four)")

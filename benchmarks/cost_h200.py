@@ -26,14 +26,17 @@ RUNS = {  # engine -> bench log (the shipped drafter, all 80 MT-bench first turn
     # run 11's 8K cut; a tree token's attention one token a program (its one-token step's bits), prompts and the
     # drafter's prompt pass in captured passes, one cycle in 8 timed
     "triton, bit-exact tree, captured prefill (1011bf3)": LOGS / "bench-full-1011bf3.json",
+    # the device-resident chain; PDL alone, then kernels.Tuning()'s default since (PDL, K split 4, pairs 32, split 64)
+    "triton_pdl, device-resident chain (50882f9)": LOGS / "bench-full-h200-50882f9.json",
+    "default tuning, device-resident chain (50882f9)": LOGS / "bench-k4-h200-50882f9.json",
 }
 RUNS_H100 = {  # the same bench on one H100, one machine for all three (the shipped run-11 cut)
     # the chain on the device-resident cycle (decode.verify_chain)
     "triton, device-resident chain (333a911)": LOGS / "h100-bench-triton-333a911.json",
     "triton_pdl, device-resident chain (333a911)": LOGS / "h100-bench-triton_pdl-333a911.json",
 }
-STEPS = {"chain5": 5, "tree": 6}  # drafter steps a cycle: 5 drafts; the 8x6x48 tree's depth
-TARGETS = {"chain5": 3.5, "tree": 5.0}  # issue 4's accept lengths
+STEPS = {"chain5": 5, "tree": 6, "tree_4x5x15": 5}  # drafter steps a cycle: 5 drafts; the trees' depths (8x6x48, 4x5x15)
+TARGETS = {"chain5": 3.5, "tree": 5.0, "tree_4x5x15": 5.0}  # issue 4's accept lengths
 
 
 def cycle_costs(sm: dict, mode: str) -> tuple[CycleCosts, float, float]:
@@ -59,7 +62,7 @@ def main():
     for engine, path in runs.items():
         sm = json.loads(path.read_text())["smollm2"]
         sec = res[engine] = {}
-        for mode in STEPS:
+        for mode in (m for m in STEPS if m in sm):  # tree_4x5x15: only in runs with --greedy-trees 4x5x15
             c, tau, measured = cycle_costs(sm, mode)
             sec[mode] = {
                 "step_ms": round(c.step_ms, 4), "draft_ms": round(c.draft_ms, 4), "verify_ms": round(c.verify_ms, 4),

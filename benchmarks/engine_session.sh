@@ -75,7 +75,7 @@ except (OSError, ValueError):
 def best(section, keep):
     rows = {k: v for k, v in res.get(section, {}).items() if isinstance(v, dict) and v.get("matches_reference") and keep(k)}
     return max(rows, key=lambda k: rows[k]["tok_s"]) if rows else None
-print(best("smollm2_shape", lambda k: k.startswith("triton")) or "triton", best("llama8b_shape", lambda k: True) or "compiled")
+print(best("smollm2_shape", lambda k: k.startswith("triton")) or "triton_default", best("llama8b_shape", lambda k: True) or "compiled")
 EOF
 )
   variants8b=compiled; [ "$best8b" != compiled ] && variants8b="compiled,$best8b"

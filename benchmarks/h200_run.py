@@ -367,17 +367,22 @@ def kernel_profile(run, top_n: int = 40) -> dict:
             "top": {e.key[:80]: [e.count, round(e.self_device_time_total / 1e3, 4)] for e in top}}
 
 
-# Triton engine variants: kernels.Tuning fields each sets (kernels.py is imported only when one is used:
-# its kernels read TRITON_INTERPRET when defined, which tests set before importing it)
-TRITON_VARIANTS = {"triton": {}, "triton_torch_commit": {"move_slots": False}, "triton_unsplit": {"split": 0},
-                   "triton_split64": {"split": 64}, "triton_split256": {"split": 256}, "triton_pairs32": {"pairs": 32},
-                   "triton_cols32": {"cols": 32}, "triton_cols64": {"cols": 64}, "triton_torch_head": {"head": False},
-                   "triton_ksplit2": {"ksplit": 2}, "triton_ksplit4": {"ksplit": 4}, "triton_merge_last": {"merge_last": True},
-                   "triton_cols16_ksplit2": {"cols": 16, "ksplit": 2}, "triton_pdl": {"pdl": True},
-                   "triton_pdl_merge_last": {"pdl": True, "merge_last": True},
-                   "triton_pdl_ksplit2": {"pdl": True, "ksplit": 2}, "triton_pdl_ksplit4": {"pdl": True, "ksplit": 4},
-                   # the H100's fastest 8B-shape tuning (logs/engine-8b-sweep-h100-3ff982a.json)
-                   "triton_pdl_ksplit4_pairs32_split64": {"pdl": True, "ksplit": 4, "pairs": 32, "split": 64}}
+# Triton engine variants: kernels.Tuning fields each sets over BASE, the Tuning default until 2026-12-06, so that
+# a name means what it meant in the logs; triton_default is kernels.Tuning() itself (the same as
+# triton_pdl_ksplit4_pairs32_split64 since). kernels.py is imported only when one is used: its kernels read
+# TRITON_INTERPRET when defined, which tests set before importing it
+BASE = {"split": 128, "pairs": 16, "ksplit": 1, "pdl": False}
+TRITON_VARIANTS = {name: {**BASE, **fields} for name, fields in {
+    "triton": {}, "triton_torch_commit": {"move_slots": False}, "triton_unsplit": {"split": 0},
+    "triton_split64": {"split": 64}, "triton_split256": {"split": 256}, "triton_pairs32": {"pairs": 32},
+    "triton_cols32": {"cols": 32}, "triton_cols64": {"cols": 64}, "triton_torch_head": {"head": False},
+    "triton_ksplit2": {"ksplit": 2}, "triton_ksplit4": {"ksplit": 4}, "triton_merge_last": {"merge_last": True},
+    "triton_cols16_ksplit2": {"cols": 16, "ksplit": 2}, "triton_pdl": {"pdl": True},
+    "triton_pdl_merge_last": {"pdl": True, "merge_last": True},
+    "triton_pdl_ksplit2": {"pdl": True, "ksplit": 2}, "triton_pdl_ksplit4": {"pdl": True, "ksplit": 4},
+    # the fastest measured at both shapes (H100 8B shape, logs/engine-8b-sweep-h100-3ff982a.json; H200 both, 50882f9)
+    "triton_pdl_ksplit4_pairs32_split64": {"pdl": True, "ksplit": 4, "pairs": 32, "split": 64}}.items()}
+TRITON_VARIANTS["triton_default"] = {}
 ENGINE_VARIANTS = ("graphs", "compiled", "compiled_model", "compiled_model_cdt", "compiled_sdpa", "compiled_autotune", "triton",
                    "triton_sweep")  # engine's default --variants
 
@@ -773,11 +778,10 @@ def main():
                     " at 8c7a00e: the same accepts, 1610.9 decode tok/s against the host chain's 1656.0)")
     ap.add_argument("--drafter-ab", action=argparse.BooleanOptionalAction, default=False,
                     help="bench: also time the tree with the drafter uncompiled (run 6 measured it: 0.96x vs 1.45x)")
-    ap.add_argument("--engine", default="triton_pdl", choices=sorted({*ENGINE_VARIANTS[1:], *TRITON_VARIANTS}),
-                    help="bench: how the SmolLM2 engine is optimised (triton: faster than compiled in plain, chain and tree"
-                    " decoding on the H200, h200-decode.json engine_8c7a00e; triton_pdl, the same kernels launched with"
-                    " PDL: plain 1235.1 tok/s against triton's 1087.7, chain 2057.0 against 1878.7, tree 1327.6 against"
-                    " 1322.0 on one H100 at 333a911, logs/h100-bench-triton{,_pdl}-333a911.json)")
+    ap.add_argument("--engine", default="triton_default", choices=sorted({*ENGINE_VARIANTS[1:], *TRITON_VARIANTS}),
+                    help="bench: how the SmolLM2 engine is optimised (triton_default: kernels.Tuning(), the fastest measured:"
+                    " plain 1381.7 tok/s and chain 2254.6 on the H200 at 50882f9 against 1217.0 and 2047.6 with triton_pdl,"
+                    " logs/bench-k4-h200-50882f9.json, logs/bench-full-h200-50882f9.json)")
     ap.add_argument("--with-8b", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--gguf")
     ap.add_argument("--data")

@@ -51,9 +51,9 @@ class BenchConfig:
     device: str = "cpu"
     dtype: str = "float32"
     optimize: bool = False  # CUDA: fused qkv / gate-up matmuls, torch.compile'd target layers and drafting steps (the CPU always fuses the target)
-    # CUDA: "triton" runs the target's batch-1 decode and verify passes as five Triton kernels a layer (kernels.py);
-    # "triton_pdl" the same launched with programmatic dependent launch (Hopper GPUs): SmolLM2 on an H100 at 333a911,
-    # plain 1235.1 tok/s and chain 2057.0 against 1087.7 and 1878.7 (logs/h100-bench-triton{,_pdl}-333a911.json)
+    # CUDA: "triton" runs the target's batch-1 decode and verify passes as Triton kernels (kernels.py) with the
+    # default kernels.Tuning (K split in 4, programmatic dependent launch): SmolLM2 on the H200 at 50882f9, plain
+    # 1381.7 tok/s and chain 2254.6 (logs/bench-k4-h200-50882f9.json)
     kernels: str = "torch"
 
     def __post_init__(self):
@@ -62,8 +62,9 @@ class BenchConfig:
         if self.mode not in ("chain", "tree"):
             raise ValueError(f"mode must be chain or tree, not {self.mode!r}")
         TreeSpec(self.topk, self.steps, self.num_draft_tokens, self.tree_draws)  # the tree's own checks, before any loading
-        if self.kernels not in ("torch", "triton", "triton_pdl"):
-            raise ValueError(f"kernels must be torch, triton or triton_pdl, not {self.kernels!r}")
+        if self.kernels not in ("torch", "triton"):
+            raise ValueError(f"kernels must be torch or triton, not {self.kernels!r} (triton launches with PDL, as"
+                             " triton_pdl did, and the measured-fastest kernels.Tuning)")
         if self.kernels != "torch" and not self.device.startswith("cuda"):
             raise ValueError(f"kernels {self.kernels} needs a CUDA device (--device cuda); on the CPU leave --kernels torch")
 
@@ -141,21 +142,12 @@ def accept_by_position(accept_lengths: list[int], depth: int) -> list[float]:
     return [sum(n > i for n in accept_lengths) / max(len(accept_lengths), 1) for i in range(1, depth + 1)]
 
 
-def engine_kernels(kernels: str) -> dict:
-    """Transformer.optimize's kernels (and kernels.Tuning) for BenchConfig.kernels."""
-    if kernels != "triton_pdl":
-        return {"kernels": kernels}
-    from draftsmith.kernels import Tuning  # imported only when used: the kernels read TRITON_INTERPRET at import
-
-    return {"kernels": "triton", "tuning": Tuning(pdl=True)}
-
-
 def run(config: BenchConfig) -> BenchResult:
     target = load_target(config.target, config.device, dtype_of(config.dtype))
     model = target.model
     cuda = config.device.startswith("cuda")
     if config.optimize or not cuda or config.kernels != "torch":  # fusing is free; on the CPU it is ~4 ms of a ~50 ms SmolLM2 step
-        model.optimize("inductor" if cuda and config.optimize else None, **engine_kernels(config.kernels))
+        model.optimize("inductor" if cuda and config.optimize else None, kernels=config.kernels)
     drafter = load_any(config.drafter, model.embed_tokens.weight.detach().float().cpu())
     drafter = drafter.to(config.device, dtype_of(config.dtype)).eval()
     if config.optimize and cuda:  # the drafting steps compiled whole: ~2.3x less drafting time on the H200 (run 6)

@@ -48,49 +48,48 @@ MAX_T = 64  # query tokens a call (target.COMPILED_MAX_TOKENS)
 @dataclass(frozen=True)
 class Tuning:
     """Tile sizes, warps and the commit kernel. One model uses one Tuning for every call, so a token's arithmetic does
-    not depend on how many tokens share the pass. At batch 1 the kernels are latency-bound: a wider
-    reduction tile means fewer dependent steps per program. The default is the H200's measured choice
-    (logs/engine-triton-sweep-8114dc5.json): 256-wide reduction tiles made SmolLM2's one-token step
-    0.96 ms against 1.14 ms with 64; 256 slots a step saved under 1% on SmolLM2 and do not fit the
-    8B shape's shared memory, so 128. Sizes count 2-byte elements; fp32 models get half as many.
-    Attention split in chunks of 128 slots made SmolLM2's one-token step 0.903 ms against 0.961 unsplit
-    (logs/tree-cycle-8c7a00e.json; the 8B shape, split at 256: 5.02 against 5.07 ms). Measured and
-    dropped (logs/tree-cycle-8c7a00e.json, logs/engine-8b-sweep-8c7a00e.json): matmul programs computing
-    up to four row tiles from one weight read (a 49-row pass 2.19 ms against 1.32), RMSNorm folded into
-    the matmul's pass over x (8B step 7.75 against 5.07 ms) and the split's merge done by o_proj (SmolLM2
-    step 1.31 against 0.90 ms). On an H100 (logs/tree-cycle-h100-7318e6b.json, SmolLM2 shape): merge_last
-    made the step slower (0.916 against 0.898 ms), so off. pdl made it faster (0.788), and on the real model
-    (logs/h100-bench-triton-pdl-3ff982a.json) plain decoding 7% faster but the tree's verify passes 9% slower;
-    at 333a911 on one H100 (logs/h100-bench-triton{,_pdl}-333a911.json) plain 13.5% faster, the chain 9.5%, the
-    tree level (1327.6 against 1322.0 tok/s). Off by default all the same: at the 8B shape it needs ksplit=4 to
-    help (without it, 6.66 against 5.94 ms a step on the H100); SmolLM2's benches ask for it (h200_run.py's
-    default engine triton_pdl, `draftsmith bench --kernels triton_pdl`). ksplit: the 8B shape's fastest tuning
-    on the H100 has ksplit=4 with pdl (5.80 ms against the default's 6.19, logs/engine-8b-sweep-h100-3ff982a.json);
-    untimed on SmolLM2's shape and on the H200, so off. head (on, so that a token's logits do not depend on its
-    pass): its speed against cuBLAS is unmeasured."""
+    not depend on how many tokens share the pass. At batch 1 the kernels are latency-bound: more programs and
+    bytes in flight, and shorter dependent chains a program, make a step faster.
+    The default is the fastest measured at both shapes on the H200 at 50882f9 (logs/bench-full-h200-50882f9.json,
+    logs/bench-k4-h200-50882f9.json): K split in 4 parts, 32 rotary pairs a qkv program, attention split in
+    64-slot chunks, PDL. SmolLM2's shape (random weights): one-token step 0.694 ms against 0.786 with PDL alone
+    and 0.915 with the earlier default (split 128, pairs 16, no K split, no PDL; logs/bench-full-1011bf3.json);
+    the real SmolLM2 1381.7 tok/s against 1217.0 with PDL alone. The Llama-3.1-8B shape: 4.42 ms against 5.26
+    inductor-compiled and 5.04 with the earlier default (1011bf3); on an H100 5.80 against 6.19
+    (logs/engine-8b-sweep-h100-3ff982a.json).
+    There PDL without the K split was slower (6.66 against 5.94 ms on the H100, 3ff982a).
+    256-wide reduction tiles made SmolLM2's step 0.96 ms against 1.14 with 64 (logs/engine-triton-sweep-8114dc5.json);
+    256 slots a step do not fit the 8B shape's shared memory, so 128. Sizes count 2-byte elements; fp32 models get
+    half as many. Measured and dropped: matmul programs computing up to four row tiles from one weight read (a
+    49-row pass 2.19 ms against 1.32, logs/tree-cycle-8c7a00e.json), RMSNorm folded into the matmul's pass over x
+    (8B step 7.75 against 5.07 ms), the split's merge done by o_proj (SmolLM2 step 1.31 against 0.90 ms), the merge
+    by the last chunk program (merge_last: 0.831 against 0.786 ms with PDL on the H200, 0.916 against 0.898 without
+    on an H100), and weight tiles prefetched into L2 before the PDL wait (0.827 against 0.786 ms; 8B 5.83
+    against 4.42: logs/tree-cycle-h200-50882f9.json, reverted in a99c11c). head (on, so that a token's logits do
+    not depend on its pass): its speed against cuBLAS is unmeasured."""
     bk_max: int = 256  # reduction tile: K rounded up to a power of 2, at most this
     slots: int = 128  # attention: cache slots a step
     warps: int = 4
     move_slots: bool = True  # Transformer.commit as one SlotMover launch instead of 4 torch kernels a layer
     cols: int = 0  # output columns a matmul program; 0: 16 or 32 by _block
     stages: int = 0  # the matmul kernels' software-pipelining depth (num_stages); 0: Triton's default
-    pairs: int = 16  # rotary pairs (d, d + D/2) a qkv program computes: 2 x pairs output columns of one head
+    pairs: int = 32  # rotary pairs (d, d + D/2) a qkv program computes: 2 x pairs output columns of one head
     # attention split over the cache (flash-decoding): slots a program, its partial softmaxes merged by a
     # sixth kernel; 0: one program a kv head and row block walks every slot (SmolLM2: 3 programs a step)
-    split: int = 128
+    split: int = 64
     # the final RMSNorm and the lm_head of short batch-1 passes as kernels too (rows in tiles, so a token's
     # logits have the same bits in any pass); False: torch's, whose cuBLAS kernels are chosen by row count
     head: bool = True
     # the qkv, o_proj and down_proj matmuls split over K into up to this many parts a tile (more programs
     # and bytes in flight: the 8B shape's o_proj and down_proj have 128 column blocks, qkv 96-192 programs);
     # the last part to finish sums the parts in order, so no extra launch
-    ksplit: int = 1
+    ksplit: int = 4
     # with split: the last chunk program of a token merges the chunks itself instead of a sixth kernel
     merge_last: bool = False
     # programmatic dependent launch (Hopper): each kernel is put on the GPU while the one before it runs and
     # waits on the device for it to finish, instead of being launched after it (to hide the launch gaps of
     # SmolLM2's ~180 dependent kernels a step: 12% of its one-token step on an H100); the arithmetic is unchanged
-    pdl: bool = False
+    pdl: bool = True
 
     def __post_init__(self):
         for name in ("bk_max", "slots"):

@@ -76,20 +76,11 @@ def test_device_bench_fails_loudly_when_speculation_disagrees():
 
 
 def test_bench_config_names_bad_kernel_choices():
-    with pytest.raises(ValueError, match="kernels must be torch, triton or triton_pdl"):
-        BenchConfig(target="t", drafter="d", prompts="p", kernels="cuda-graphs")
-    for kernels in ("triton", "triton_pdl"):
-        with pytest.raises(ValueError, match=f"kernels {kernels} needs a CUDA device"):
-            BenchConfig(target="t", drafter="d", prompts="p", kernels=kernels)
-
-
-def test_bench_kernels_choice_reaches_the_engine_as_kernels_and_tuning():
-    from draftsmith.bench import engine_kernels
-    from draftsmith.kernels import Tuning
-
-    assert engine_kernels("torch") == {"kernels": "torch"}
-    assert engine_kernels("triton") == {"kernels": "triton"}  # optimize() takes the default Tuning
-    assert engine_kernels("triton_pdl") == {"kernels": "triton", "tuning": Tuning(pdl=True)}
+    for bad in ("cuda-graphs", "triton_pdl"):  # triton_pdl: what triton is since the default Tuning has PDL
+        with pytest.raises(ValueError, match="kernels must be torch or triton"):
+            BenchConfig(target="t", drafter="d", prompts="p", kernels=bad)
+    with pytest.raises(ValueError, match="kernels triton needs a CUDA device"):
+        BenchConfig(target="t", drafter="d", prompts="p", kernels="triton")
 
 
 def test_the_device_jobs_default_sweep_and_variants_are_ones_the_scripts_take():
@@ -121,7 +112,7 @@ def test_the_device_jobs_default_sweep_and_variants_are_ones_the_scripts_take():
 def test_the_device_job_benches_the_fastest_engine_variant_that_matches_the_plain_model(tmp_path):
     """engine_session.sh picks the bench's engines from its engine.json: the SmolLM2 shape's fastest Triton
     variant (the bench's --engine takes no other) and the 8B shape's fastest of any, skipping a faster one
-    that does not reproduce the plain model; triton and compiled when the step left no file."""
+    that does not reproduce the plain model; the default Tuning's variant and compiled when the step left no file."""
     import json
     import re
     import subprocess
@@ -138,7 +129,7 @@ def test_the_device_job_benches_the_fastest_engine_variant_that_matches_the_plai
     run = lambda f: subprocess.run([sys.executable, "-", str(f)], input=pick, capture_output=True, text=True,  # noqa: E731
                                    check=True).stdout.split()
     assert run(tmp_path / "engine.json") == ["triton_pdl", "compiled"]
-    assert run(tmp_path / "missing.json") == ["triton", "compiled"]
+    assert run(tmp_path / "missing.json") == ["triton_default", "compiled"]
 
 
 def test_the_device_benchs_sampled_trees_parse_into_tree_specs():

@@ -52,14 +52,15 @@ def random_cache(layer, seed: int) -> torch.Generator:
 
 # the default tiles take one step over this tiny model's rows and cache; small tiles take several
 # (the reduction loops and the attention's running softmax across slot blocks); split16/32: the attention
-# over 4 or 2 chunks of the 64-slot cache, merged (the default's 128-slot chunks are one chunk here).
-# Tuning.pairs has its own test: these heads (32 wide) have 16 rotary pairs, the default.
+# over 4 or 2 chunks of the 64-slot cache, merged (the default's 64-slot chunks are one chunk here).
+# Tuning.pairs has its own test: these heads (32 wide) have 16 rotary pairs, fewer than the default's 32.
+# The default's PDL is a CUDA launch option the interpreter runs without; before-2026-12-06: the default until then.
 TUNINGS = {"default": kernels.Tuning(), "unsplit": kernels.Tuning(split=0),
            "small-tiles": kernels.Tuning(bk_max=16, slots=16, warps=2, split=0),
            "cols32-stages2": kernels.Tuning(bk_max=32, slots=32, cols=32, stages=2),
            "split16": kernels.Tuning(split=16, slots=16), "split32": kernels.Tuning(split=32),
            "ksplit3-merge-last": kernels.Tuning(bk_max=16, ksplit=3, split=16, slots=16, merge_last=True),
-           "pdl-off-on-cpu": kernels.Tuning(pdl=True)}  # a CUDA launch option: the interpreter runs without it
+           "before-2026-12-06": kernels.Tuning(split=128, pairs=16, ksplit=1, pdl=False)}
 
 
 def nvidia_compiler() -> bool:
@@ -190,9 +191,9 @@ ON_THIS_HOST = [pytest.param("cpu", marks=pytest.mark.skipif(torch.cuda.is_avail
                 DEVICES[1]]
 
 
-# the default; K split into parts with the merge by the last chunk program (tiles small enough to split); PDL
+# the default (PDL on CUDA); K split into parts with the merge by the last chunk program (tiles small enough to split); no PDL
 BITS_TUNINGS = {"default": kernels.Tuning(), "ksplit2-merge-last": kernels.Tuning(bk_max=32, ksplit=2, split=16, merge_last=True),
-                "pdl": kernels.Tuning(pdl=True)}  # pdl: a launch option on CUDA, ignored by the interpreter
+                "no-pdl": kernels.Tuning(pdl=False)}  # pdl (the default's): a launch option on CUDA, ignored by the interpreter
 
 
 @pytest.mark.parametrize("tuning", BITS_TUNINGS.values(), ids=BITS_TUNINGS.keys())
@@ -515,7 +516,7 @@ def test_pdl_is_off_on_the_cpu_and_where_torch_compile_traces_the_launch(monkeyp
     on = kernels.Tuning(pdl=True)
     gpu_like = torch.empty(1, device="meta")
     assert kernels._pdl(on, gpu_like) == {"PDL": True, "launch_pdl": True}
-    assert kernels._pdl(kernels.Tuning(), gpu_like) == {"PDL": False}
+    assert kernels._pdl(kernels.Tuning(pdl=False), gpu_like) == {"PDL": False}
     assert kernels._pdl(on, torch.empty(1)) == {"PDL": False}
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert kernels._pdl(on, gpu_like) == {"PDL": False}
