@@ -35,6 +35,7 @@ Triton's interpreter (TRITON_INTERPRET=1 before this module is imported).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -612,12 +613,22 @@ def _matmul_options(x: torch.Tensor, tuning: Tuning) -> dict:
 
 def _pdl(tuning: Tuning, like: torch.Tensor) -> dict:
     """The PDL switch a kernel takes (_pdl_start) and, when on, the launch option that goes with it: a GPU's
-    launch feature, so off for CPU tensors (the interpreter). Off too where torch.compile traces the launch
-    (the head's kernels inside a compiled acceptance step): its analysis of which arguments a kernel writes
-    cannot read PDL's inline assembly and then takes every argument as written (cloning the lm_head's weight
-    at each call), and nothing is known of how inductor would launch the kernel."""
-    on = tuning.pdl and like.device.type != "cpu" and not torch.compiler.is_compiling()
+    launch feature of Hopper and newer GPUs, so off for CPU tensors (the interpreter) and older GPUs (the
+    default Tuning asks for it). Off too where torch.compile traces the launch (the head's kernels inside a
+    compiled acceptance step): its analysis of which arguments a kernel writes cannot read PDL's inline
+    assembly and then takes every argument as written (cloning the lm_head's weight at each call), and
+    nothing is known of how inductor would launch the kernel."""
+    on = tuning.pdl and _has_pdl(like.device) and not torch.compiler.is_compiling()
     return dict(PDL=on, **({"launch_pdl": True} if on else {}))
+
+
+@functools.lru_cache
+def _has_pdl(device: torch.device) -> bool:
+    """Whether kernels on device can use programmatic dependent launch (griddepcontrol): CUDA compute
+    capability 9.0 (Hopper) or newer. Meta tensors count as such: compile_kernels.py builds for sm_90 on them."""
+    if device.type == "meta":
+        return True
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, tuning: Tuning = Tuning()) -> torch.Tensor:

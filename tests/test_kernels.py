@@ -511,13 +511,17 @@ def test_no_launch_passes_one_tensor_for_two_arguments(monkeypatch, tuning):
 
 
 def test_pdl_is_off_on_the_cpu_and_where_torch_compile_traces_the_launch(monkeypatch):
-    """Tuning.pdl is a launch option of CUDA devices, and torch.compile's analysis of which arguments a kernel
+    """Tuning.pdl is a launch option of CUDA devices from Hopper on, and torch.compile's analysis of which arguments a kernel
     writes cannot read its inline assembly (it then takes every argument as written): off in both."""
     on = kernels.Tuning(pdl=True)
     gpu_like = torch.empty(1, device="meta")
     assert kernels._pdl(on, gpu_like) == {"PDL": True, "launch_pdl": True}
     assert kernels._pdl(kernels.Tuning(pdl=False), gpu_like) == {"PDL": False}
     assert kernels._pdl(on, torch.empty(1)) == {"PDL": False}
+    # the default Tuning asks for PDL; a GPU older than Hopper (sm_80: no griddepcontrol) runs without it
+    for major, has in ((8, False), (9, True), (10, True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, major=major: (major, 0))
+        assert kernels._has_pdl.__wrapped__(torch.device("cuda", 0)) is has
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert kernels._pdl(on, gpu_like) == {"PDL": False}
 
