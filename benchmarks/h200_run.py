@@ -384,7 +384,7 @@ TRITON_VARIANTS = {name: {**BASE, **fields} for name, fields in {
     "triton_pdl_ksplit4_pairs32_split64": {"pdl": True, "ksplit": 4, "pairs": 32, "split": 64}}.items()}
 TRITON_VARIANTS["triton_default"] = {}
 ENGINE_VARIANTS = ("graphs", "compiled", "compiled_model", "compiled_model_cdt", "compiled_sdpa", "compiled_autotune", "triton",
-                   "triton_sweep")  # engine's default --variants
+                   "triton_default", "triton_sweep")  # engine's default --variants
 
 
 def optimize_for(model: Transformer, variant: str):

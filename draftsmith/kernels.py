@@ -56,9 +56,8 @@ class Tuning:
     64-slot chunks, PDL. SmolLM2's shape (random weights): one-token step 0.694 ms against 0.786 with PDL alone
     and 0.915 with the earlier default (split 128, pairs 16, no K split, no PDL; logs/bench-full-1011bf3.json);
     the real SmolLM2 1381.7 tok/s against 1217.0 with PDL alone. The Llama-3.1-8B shape: 4.42 ms against 5.26
-    inductor-compiled and 5.04 with the earlier default (1011bf3); on an H100 5.80 against 6.19
-    (logs/engine-8b-sweep-h100-3ff982a.json).
-    There PDL without the K split was slower (6.66 against 5.94 ms on the H100, 3ff982a).
+    inductor-compiled and 5.04 with the earlier default (1011bf3); on an H100 5.80 against 6.19, where PDL
+    without the K split was slower (6.66 against 5.94 ms; logs/engine-8b-sweep-h100-3ff982a.json).
     256-wide reduction tiles made SmolLM2's step 0.96 ms against 1.14 with 64 (logs/engine-triton-sweep-8114dc5.json);
     256 slots a step do not fit the 8B shape's shared memory, so 128. Sizes count 2-byte elements; fp32 models get
     half as many. Measured and dropped: matmul programs computing up to four row tiles from one weight read (a
