@@ -84,6 +84,8 @@ class Tuning:
     # and bytes in flight: the 8B shape's o_proj and down_proj have 128 column blocks, qkv 96-192 programs);
     # the last part to finish sums the parts in order, so no extra launch
     ksplit: int = 4
+    # the same for gate_up (its SiLU and product after the sum): 1, unsplit, until measured
+    gate_ksplit: int = 1
     # with split: the last chunk program of a token merges the chunks itself instead of a sixth kernel
     merge_last: bool = False
     # programmatic dependent launch (Hopper): each kernel is put on the GPU while the one before it runs and
@@ -104,8 +106,9 @@ class Tuning:
             raise ValueError(f"Tuning.split must be 0 (no split) or a power of 2 >= 16, got {self.split}")
         if self.pairs < 16 or self.pairs & (self.pairs - 1):
             raise ValueError(f"Tuning.pairs must be a power of 2 >= 16, got {self.pairs}")
-        if not 1 <= self.ksplit <= 16:
-            raise ValueError(f"Tuning.ksplit must be 1 (no split) to 16, got {self.ksplit}")
+        for name in ("ksplit", "gate_ksplit"):
+            if not 1 <= getattr(self, name) <= 16:
+                raise ValueError(f"Tuning.{name} must be 1 (no split) to 16, got {getattr(self, name)}")
         if not 0 <= self.stages <= 8:
             raise ValueError(f"Tuning.stages must be 0 (Triton's default) to 8, got {self.stages}")
 
@@ -466,18 +469,35 @@ def _rmsnorm(x_ptr, nw_ptr, y_ptr, n_rows, eps, K: tl.constexpr, BK: tl.constexp
 
 
 @triton.jit
-def _gate_up(x_ptr, nw_ptr, w_ptr, y_ptr, n_rows, eps, K: tl.constexpr, I: tl.constexpr, BN: tl.constexpr,
-             BK: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
+def _gate_up(x_ptr, nw_ptr, w_ptr, y_ptr, p_ptr, count_ptr, n_rows, eps, K: tl.constexpr, I: tl.constexpr, BN: tl.constexpr,
+             BK: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr, KS: tl.constexpr, KP: tl.constexpr, PDL: tl.constexpr):
     # y = silu(norm(x) @ gate^T) * (norm(x) @ up^T); w is gate_up (2I, K): gate rows, then up rows.
-    # Program (column block, row tile), as _linear.
+    # Program (column block, row tile[, K part]), as _linear; with KS parts (Tuning.gate_ksplit) each sums
+    # KP of K into fp32 partials p (KS, 2, n_rows, I), and the last part of a tile adds them up in order
     _pdl_start(PDL)
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     rm = tl.program_id(1) * BM + tl.arange(0, BM)
-    acc_g, acc_u = _normed_dots(x_ptr, nw_ptr, w_ptr, rn, rn + I, rn < I, rm, n_rows, eps, 0, K, K, BN, BK, BM, PREC)
+    lo = tl.program_id(2) * KP if KS > 1 else 0
+    acc_g, acc_u = _normed_dots(x_ptr, nw_ptr, w_ptr, rn, rn + I, rn < I, rm, n_rows, eps, lo, K, KP, BN, BK, BM, PREC)
+    at = rm[:, None] * I + rn[None, :]
+    inside = (rm[:, None] < n_rows) & (rn[None, :] < I)
+    if KS > 1:
+        part = p_ptr + tl.program_id(2) * 2 * n_rows * I
+        tl.store(part + at, acc_g, mask=inside)
+        tl.store(part + n_rows * I + at, acc_u, mask=inside)
+        if _arrive_last(count_ptr, tl.program_id(1) * tl.num_programs(0) + tl.program_id(0), KS):
+            _gate_up_out(_sum_parts(p_ptr, at, inside, 2 * n_rows * I, KS),
+                         _sum_parts(p_ptr + n_rows * I, at, inside, 2 * n_rows * I, KS), at, inside, y_ptr)
+    else:
+        _gate_up_out(acc_g, acc_u, at, inside, y_ptr)
+
+
+@triton.jit
+def _gate_up_out(acc_g, acc_u, at, inside, y_ptr):
     dt = y_ptr.dtype.element_ty
     g = acc_g.to(dt).to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(dt)
-    tl.store(y_ptr + rm[:, None] * I + rn[None, :], act * acc_u.to(dt), mask=(rm[:, None] < n_rows) & (rn[None, :] < I))
+    tl.store(y_ptr + at, act * acc_u.to(dt), mask=inside)
 
 
 @triton.jit
@@ -595,7 +615,12 @@ def layer_forward(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     a = torch.empty(T, I, dtype=x.dtype, device=x.device)
     bi = tuning.cols or _block(I)
     post = layer.post_attention_layernorm
-    _gate_up[(triton.cdiv(I, bi), rows)](h1, post.weight, mlp.gate_up.weight, a, T, post.eps, K=Hd, I=I, BN=bi, BK=bk, **mm)
+    gs, gp = _k_parts(Hd, bk, tuning.gate_ksplit)
+    grid = (triton.cdiv(I, bi), rows, gs)
+    parts = torch.empty(gs, 2, T, I, dtype=torch.float32, device=x.device) if gs > 1 else _unused(x)
+    count = _counters(x, grid[0] * grid[1]) if gs > 1 else _unused(x)
+    _gate_up[grid](h1, post.weight, mlp.gate_up.weight, a, parts, count, T, post.eps, K=Hd, I=I, BN=bi, BK=bk, KS=gs, KP=gp,
+                   **mm)
     return _matmul(a, mlp.down_proj.weight, h1, tuning, tuning.ksplit).view(1, T, Hd)
 
 

@@ -59,7 +59,7 @@ TUNINGS = {"default": kernels.Tuning(), "unsplit": kernels.Tuning(split=0),
            "small-tiles": kernels.Tuning(bk_max=16, slots=16, warps=2, split=0),
            "cols32-stages2": kernels.Tuning(bk_max=32, slots=32, cols=32, stages=2),
            "split16": kernels.Tuning(split=16, slots=16), "split32": kernels.Tuning(split=32),
-           "ksplit3-merge-last": kernels.Tuning(bk_max=16, ksplit=3, split=16, slots=16, merge_last=True),
+           "ksplit3-merge-last": kernels.Tuning(bk_max=16, ksplit=3, gate_ksplit=3, split=16, slots=16, merge_last=True),
            "before-2026-12-06": kernels.Tuning(split=128, pairs=16, ksplit=1, pdl=False)}
 
 
@@ -95,7 +95,7 @@ def test_the_kernels_compile_for_an_h200(shape, dtypes, tmp_path):
     chunk program (their atomics and L2 reads). A loop-carried value whose dtype changes passes the
     interpreter and fails here."""
     run, report = compile_check(tmp_path, "--shape", shape, "--dtypes", dtypes, "--variants",
-                                "triton_default,triton,triton_ksplit4,triton_merge_last,triton_pdl")
+                                "triton_default,triton_default_gate4,triton,triton_ksplit4,triton_merge_last,triton_pdl")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert report["failed"] == 0 and report["launches_compiled"] >= 8
     pdl = [r for r in report["results"] if r["variant"] in ("triton_pdl", "triton_default") and r["kernel"] != "_move_slots"]
@@ -115,7 +115,7 @@ def test_the_compile_check_refuses_a_tuning_the_gpu_refused(tmp_path):
     assert "_qkv_rope_cache" in failed and failed["_qkv_rope_cache"]["shared_bytes"] > 232448
 
 
-@pytest.mark.parametrize("bad", [dict(bk_max=48), dict(slots=8), dict(warps=3), dict(cols=24), dict(stages=9), dict(pairs=24), dict(ksplit=0),
+@pytest.mark.parametrize("bad", [dict(bk_max=48), dict(slots=8), dict(warps=3), dict(cols=24), dict(stages=9), dict(pairs=24), dict(ksplit=0), dict(gate_ksplit=17),
                                  dict(split=24)])
 def test_a_tuning_the_kernels_cannot_take_is_refused_naming_the_field(bad):
     with pytest.raises(ValueError, match=f"Tuning.{next(iter(bad))} must be"):
@@ -192,7 +192,7 @@ ON_THIS_HOST = [pytest.param("cpu", marks=pytest.mark.skipif(torch.cuda.is_avail
 
 
 # the default (PDL on CUDA); K split into parts with the merge by the last chunk program (tiles small enough to split); no PDL
-BITS_TUNINGS = {"default": kernels.Tuning(), "ksplit2-merge-last": kernels.Tuning(bk_max=32, ksplit=2, split=16, merge_last=True),
+BITS_TUNINGS = {"default": kernels.Tuning(), "ksplit2-merge-last": kernels.Tuning(bk_max=32, ksplit=2, gate_ksplit=2, split=16, merge_last=True),
                 "no-pdl": kernels.Tuning(pdl=False)}  # pdl (the default's): a launch option on CUDA, ignored by the interpreter
 
 
@@ -475,7 +475,7 @@ def test_arrival_counters_are_not_made_inside_graph_capture(monkeypatch):
 
 
 @pytest.mark.parametrize("tuning", [kernels.Tuning(), kernels.Tuning(split=0),
-                                    kernels.Tuning(bk_max=16, ksplit=3, split=16, slots=16, merge_last=True)],
+                                    kernels.Tuning(bk_max=16, ksplit=3, gate_ksplit=3, split=16, slots=16, merge_last=True)],
                          ids=["default", "unsplit", "ksplit3-merge-last"])
 def test_no_launch_passes_one_tensor_for_two_arguments(monkeypatch, tuning):
     """A written tensor passed for two pointer arguments comes back unwritten from torch.compile's functional
@@ -564,7 +564,7 @@ SMOLLM2_WIDTHS = dict(hidden_size=576, num_attention_heads=9, num_key_value_head
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("tuning,compiled", [(kernels.Tuning(), False), (kernels.Tuning(split=0), True),
-                                             (kernels.Tuning(ksplit=2, merge_last=True), False),
+                                             (kernels.Tuning(ksplit=2, gate_ksplit=2, merge_last=True), False),
                                              (kernels.Tuning(pdl=True, ksplit=2, merge_last=True), False),
                                              (kernels.Tuning(pdl=True), True)],
                          ids=["default", "unsplit-compiled-drafter", "ksplit2-merge-last", "pdl-ksplit2-merge-last",
@@ -610,7 +610,7 @@ def test_speculation_on_cuda_kernels_at_smollm2_widths_equals_plain(tuning, comp
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("tuning", [kernels.Tuning(split=0), kernels.Tuning(split=128), kernels.Tuning(split=256),
-                                    kernels.Tuning(ksplit=4, merge_last=True), kernels.Tuning(pdl=True)],
+                                    kernels.Tuning(ksplit=4, gate_ksplit=4, merge_last=True), kernels.Tuning(pdl=True)],
                          ids=["split0", "split128", "split256", "ksplit4-merge-last", "pdl"])
 @pytest.mark.parametrize("T", [1, 8, 49])
 def test_bf16_kernels_fit_and_match_at_the_llama8b_layer_shape(T, tuning):
