@@ -186,6 +186,9 @@ def bench_smollm(a, res):
     target = load_target(a.gguf, a.device, dt)
     model = target.model
     optimize_for(model, a.engine if a.device.startswith("cuda") else "fused")
+    if hasattr(model, "tuning_sweep"):  # --engine triton_sweep: the table it chose from, on these weights
+        res["engine_sweep"] = model.__dict__.pop("tuning_sweep")
+        model.max_len = 0  # its caches had 1,024 slots: sized to need below, as for any engine
     if a.drafter:  # an exported drafter carried in (SGLang folder), e.g. an earlier run's
         from draftsmith.export import load_any
         drafter = load_any(a.drafter, model.embed_tokens.weight.detach().float().cpu())

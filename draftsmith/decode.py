@@ -222,14 +222,21 @@ def prefill(model: Transformer, prompt: torch.Tensor, capture=(), temperature: f
     """prompt: (1, T). Returns the first new token (greedy, or sampled at temperature > 0) and the
     target's output over the prompt (run_prompt: in captured passes where `graphs` says so)."""
     out = run_prompt(model, prompt, capture, graphs)
-    return sample(model.logits(out.hidden[:, -1]), temperature, top_p, generator), out  # (1,), TargetOutput
+    return next_token(model, out.hidden[:, -1], temperature, top_p, generator), out  # (1,), TargetOutput
+
+
+def next_token(model: Transformer, hidden: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0, generator=None):
+    """The token after hidden (B, H): the greedy one in the lm_head's own pass (Transformer.greedy), else sampled."""
+    if temperature == 0:
+        return model.greedy(hidden)
+    return sample(model.logits(hidden), temperature, top_p, generator)
 
 
 def target_step(model: Transformer, capture=()):
     """The target over tokens (1, T) at slots pos..pos+T-1 -> (greedy token after each, aux)."""
     def step(tokens, pos):
-        out = model(tokens, pos + torch.arange(tokens.shape[1], device=pos.device), capture=capture)
-        return model.logits(out.hidden[0]).argmax(-1), out.aux
+        out = model(tokens, pass_slots(pos, tokens.shape[1]), capture=capture)
+        return model.greedy(out.hidden[0]), out.aux
     return step
 
 
@@ -238,12 +245,16 @@ def next_token_step(model: Transformer, temperature: float = 0.0, top_p: float =
     step; at temperature 0 its graph (key ("plain", 1)) is the one greedy_agreement replays. Given
     uniforms u (1, V) it samples with them (gumbel_sample) instead of drawing from `generator`."""
     def step(tokens, pos, u=None):
-        h = model(tokens, pos + torch.arange(tokens.shape[1], device=pos.device)).hidden
-        logits = model.logits(h[:, -1])  # (1, V)
+        h = model(tokens, pass_slots(pos, tokens.shape[1])).hidden
         if u is not None and temperature > 0:
-            return gumbel_sample(probs(logits, temperature, top_p), u)
-        return sample(logits, temperature, top_p, generator)
+            return gumbel_sample(probs(model.logits(h[:, -1]), temperature, top_p), u)
+        return next_token(model, h[:, -1], temperature, top_p, generator)
     return step
+
+
+def pass_slots(pos: torch.Tensor, T: int) -> torch.Tensor:
+    """Slots pos .. pos + T - 1 of a T-token pass from pos (1,): pos itself for one token (no kernels in a step)."""
+    return pos if T == 1 else pos + torch.arange(T, device=pos.device)
 
 
 @torch.no_grad()
@@ -357,7 +368,7 @@ def verify_chain(model: Transformer, drafter: Eagle3Drafter, k: int):
 
     def verify(pending, drafts, pos):
         out = model(torch.cat([pending, drafts])[None], pos + torch.arange(k + 1, device=pos.device), capture=capture)
-        best = model.logits(out.hidden[0]).argmax(-1)  # (k+1,) the logits outside the compiled part, as plain decoding's
+        best = model.greedy(out.hidden[0])  # (k+1,) outside the compiled part, as plain decoding's
         n, h, bonus = after(best, drafts, out.aux, pos)
         return torch.cat([n, best]), h, bonus, pos + n + 1
     return verify
@@ -905,7 +916,7 @@ def verify_greedy(model: Transformer, drafter: Eagle3Drafter, spec: TreeSpec):
     D = min(spec.steps, spec.nodes)
 
     def accept(hidden, tree, anc):
-        best = model.logits(hidden).argmax(-1)  # (N+1,)
+        best = model.greedy(hidden)  # (N+1,)
         n, rows = accept_on_device(best, tree, anc, D)  # (1,), (D+1,)
         return n, rows, best[rows[n]]  # the bonus: the target's token after the deepest accepted node
     return verify_cycle(model, drafter, spec, accept)

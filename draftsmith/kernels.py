@@ -432,12 +432,7 @@ def _linear(a_ptr, w_ptr, r_ptr, y_ptr, p_ptr, count_ptr, n_rows, K: tl.constexp
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     rm = tl.program_id(1) * BM + tl.arange(0, BM)
     inside = (rm[:, None] < n_rows) & (rn[None, :] < N)
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    lo = tl.program_id(2) * KP if KS > 1 else 0
-    for k0 in range(lo, lo + KP, BK):
-        rk = k0 + tl.arange(0, BK)
-        w = tl.trans(tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0))
-        acc += tl.dot(_rows(a_ptr, rm, rk, n_rows, K), w, input_precision=PREC)
+    acc = _dots(a_ptr, w_ptr, rm, rn, n_rows, tl.program_id(2) * KP if KS > 1 else 0, K, N, KP, BN, BK, BM, PREC)
     at = rm[:, None] * N + rn[None, :]
     if KS > 1:
         tl.store(p_ptr + tl.program_id(2) * n_rows * N + at, acc, mask=inside)
@@ -445,6 +440,70 @@ def _linear(a_ptr, w_ptr, r_ptr, y_ptr, p_ptr, count_ptr, n_rows, K: tl.constexp
             _linear_out(_sum_parts(p_ptr, at, inside, n_rows * N, KS), at, inside, r_ptr, y_ptr, RESIDUAL)
     else:
         _linear_out(acc, at, inside, r_ptr, y_ptr, RESIDUAL)
+
+
+@triton.jit
+def _dots(a_ptr, w_ptr, rm, rn, n_rows, lo, K: tl.constexpr, N: tl.constexpr, KP: tl.constexpr, BN: tl.constexpr,
+          BK: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr):
+    """a[rm] @ w[rn]^T over K's lo .. lo + KP in fp32: one tile of _linear's (and _head_argmax's) product."""
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(lo, lo + KP, BK):
+        rk = k0 + tl.arange(0, BK)
+        w = tl.trans(tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0))
+        acc += tl.dot(_rows(a_ptr, rm, rk, n_rows, K), w, input_precision=PREC)
+    return acc
+
+
+@triton.jit
+def _head_argmax(a_ptr, w_ptr, pv_ptr, pi_ptr, out_ptr, count_ptr, n_rows, K: tl.constexpr, N: tl.constexpr,
+                 BN: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr, LAST: tl.constexpr,
+                 CH: tl.constexpr, PDL: tl.constexpr):
+    # out = argmax over N of a @ w^T rounded to a's dtype (what logits(...).argmax(-1) picks: the first
+    # column of the largest), program (column block, row tile) as _linear's, without writing the logits:
+    # each program writes its block's largest and where (pv, pi: (n_rows, blocks)); with LAST the last
+    # program of a row tile to finish reduces them, else _argmax_reduce does (one launch more)
+    _pdl_start(PDL)
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    rm = tl.program_id(1) * BM + tl.arange(0, BM)
+    acc = _dots(a_ptr, w_ptr, rm, rn, n_rows, 0, K, N, K, BN, BK, BM, PREC)
+    v = tl.where(rn[None, :] < N, acc.to(a_ptr.dtype.element_ty).to(tl.float32), float("-inf"))
+    top = tl.max(v, axis=1)
+    first = tl.min(tl.where(v == top[:, None], rn[None, :], N), axis=1)
+    nb = tl.num_programs(0)
+    ok = rm < n_rows
+    tl.store(pv_ptr + rm * nb + tl.program_id(0), top, mask=ok)
+    tl.store(pi_ptr + rm * nb + tl.program_id(0), first, mask=ok)
+    if LAST:
+        if _arrive_last(count_ptr, tl.program_id(1), nb):
+            _argmax_rows(pv_ptr, pi_ptr, out_ptr, rm, n_rows, nb, N, BM, CH, ".cg")
+
+
+@triton.jit
+def _argmax_reduce(pv_ptr, pi_ptr, out_ptr, n_rows, nb, N: tl.constexpr, BM: tl.constexpr, CH: tl.constexpr,
+                   PDL: tl.constexpr):
+    # program (row tile): _head_argmax's blocks reduced, where its LAST is off (inside torch.compile)
+    _pdl_start(PDL)
+    _argmax_rows(pv_ptr, pi_ptr, out_ptr, tl.program_id(0) * BM + tl.arange(0, BM), n_rows, nb, N, BM, CH, "")
+
+
+@triton.jit
+def _argmax_rows(pv_ptr, pi_ptr, out_ptr, rm, n_rows, nb, N: tl.constexpr, BM: tl.constexpr, CH: tl.constexpr,
+                 CACHE: tl.constexpr):
+    """out[rm] = the first column of the largest over the blocks' (largest, first column) in pv, pi."""
+    ok = rm < n_rows
+    best = tl.full([BM], float("-inf"), tl.float32)
+    at = tl.full([BM], N, tl.int32)
+    for c0 in range(0, nb, CH):
+        c = c0 + tl.arange(0, CH)
+        inside = ok[:, None] & (c[None, :] < nb)
+        v = tl.load(pv_ptr + rm[:, None] * nb + c[None, :], mask=inside, other=float("-inf"), cache_modifier=CACHE)
+        i = tl.load(pi_ptr + rm[:, None] * nb + c[None, :], mask=inside, other=N, cache_modifier=CACHE)
+        top = tl.max(v, axis=1)
+        first = tl.min(tl.where(v == top[:, None], i, N), axis=1)
+        take = (top > best) | ((top == best) & (first < at))
+        best = tl.where(take, top, best)
+        at = tl.where(take, first, at)
+    tl.store(out_ptr + rm, at.to(tl.int64), mask=ok)
 
 
 @triton.jit
@@ -737,3 +796,28 @@ class Head:
 
     def logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return linear(x, weight, self.tuning)
+
+    def argmax(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return head_argmax(x, weight, self.tuning)
+
+
+def head_argmax(x: torch.Tensor, weight: torch.Tensor, tuning: Tuning = Tuning()) -> torch.Tensor:
+    """linear(x, weight).float().argmax(-1) (ties: the first) without writing the logits: the greedy token
+    in the lm_head's own pass, its blocks reduced by the last program of each row tile to finish (one
+    kernel) or, where torch.compile traces the call (its functional form would copy the arrival
+    counters), by a second kernel."""
+    K, N = x.shape[-1], weight.shape[0]
+    x2 = x.reshape(-1, K).contiguous()
+    T = x2.shape[0]
+    bn, bk = tuning.cols or _block(N), tuning.bk(K, x.element_size())
+    grid = (triton.cdiv(N, bn), triton.cdiv(T, ROWS))
+    pv = torch.empty(T, grid[0], dtype=torch.float32, device=x.device)
+    pi = torch.empty(T, grid[0], dtype=torch.int32, device=x.device)
+    out = torch.empty(T, dtype=torch.long, device=x.device)
+    last = not torch.compiler.is_compiling()
+    count = _counters(x, grid[1]) if last else _unused(x)
+    _head_argmax[grid](x2, weight, pv, pi, out, count, T, K=K, N=N, BN=bn, BK=bk, LAST=last, CH=256,
+                       **_matmul_options(x, tuning))
+    if not last:
+        _argmax_reduce[(grid[1],)](pv, pi, out, T, grid[0], N=N, BM=ROWS, CH=256, num_warps=tuning.warps, **_pdl(tuning, x))
+    return out.view(x.shape[:-1])

@@ -141,9 +141,18 @@ class Rotary(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)  # (P, D)
         self.register_buffer("cos", emb.cos() * self.attn_factor, persistent=False)
         self.register_buffer("sin", emb.sin() * self.attn_factor, persistent=False)
+        self.cast: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}  # cast_to's tables
 
     def forward(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        cast = self.cast.get(dtype)
+        if cast is not None:  # the same values, one kernel each instead of two
+            return cast[0][pos], cast[1][pos]
         return self.cos[pos].to(dtype), self.sin[pos].to(dtype)  # (B, T, D) each
+
+    def cast_to(self, dtype: torch.dtype):
+        """Keep the tables cast to dtype too (a decode step then gathers rows without casting them)."""
+        if dtype != self.cos.dtype and dtype not in self.cast:
+            self.cast[dtype] = (self.cos.to(dtype), self.sin.to(dtype))
 
     def _apply(self, fn, recurse=True):
         # follow the module's device but keep the fp32 tables: a bf16 model still rotates with fp32 angles
@@ -151,6 +160,7 @@ class Rotary(nn.Module):
         for name in ("cos", "sin"):
             t = getattr(self, name)
             setattr(self, name, torch.empty(t.shape, device=device) if t.is_meta else t.to(device))
+        self.cast = {}
         return self
 
 
@@ -347,9 +357,10 @@ class TargetOutput:
     aux: torch.Tensor | None  # (B, T, len(capture) * H) captured layer outputs, concatenated
 
 
-def causal_mask(input_pos: torch.Tensor, max_len: int) -> torch.Tensor:
-    """(1, 1, T, S) bool: slot s visible from query slot p when s <= p."""
-    slots = torch.arange(max_len, device=input_pos.device)
+def causal_mask(input_pos: torch.Tensor, max_len: int, slots: torch.Tensor | None = None) -> torch.Tensor:
+    """(1, 1, T, S) bool: slot s visible from query slot p when s <= p. slots: arange(max_len), if kept."""
+    if slots is None:
+        slots = torch.arange(max_len, device=input_pos.device)
     return (slots[None, :] <= input_pos[:, None])[None, None]
 
 
@@ -374,10 +385,14 @@ class Transformer(nn.Module):
         p = self.embed_tokens.weight
         cache = self.layers[0].self_attn.kv_cache
         if cache is not None and cache.k.shape[0] == batch and self.max_len >= max_len and cache.k.dtype == p.dtype:
+            self.rotary.cast_to(p.dtype)  # again if a move (Rotary._apply) dropped them
             return
         for layer in self.layers:
             layer.self_attn.kv_cache = KVCache(batch, self.args.num_kv_heads, max_len, self.args.head_dim, p.dtype, p.device)
         self.max_len = max_len
+        # kept for causal_mask and the rotary tables in the model's dtype: fewer kernels a decode step
+        self.register_buffer("slots", torch.arange(max_len, device=p.device), persistent=False)
+        self.rotary.cast_to(p.dtype)
 
     def forward(
         self,
@@ -396,7 +411,7 @@ class Transformer(nn.Module):
     def body(self, tokens, input_pos, mask, rope_pos, capture, short):
         """forward's computation -> (final hidden, aux); what optimize(scope="model") compiles whole."""
         if mask is None:
-            mask = causal_mask(input_pos, self.max_len)
+            mask = causal_mask(input_pos, self.max_len, self.slots)
         if rope_pos is None:
             rope_pos = input_pos[None]
         x = self.embed_tokens(tokens)  # (B, T, H)
@@ -419,6 +434,14 @@ class Transformer(nn.Module):
         if head and head.covers(hidden):
             return head.logits(hidden, self.lm_head.weight).float()
         return small_linear(hidden, self.lm_head.weight).float()  # (..., V)
+
+    def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        """logits(hidden).argmax(-1): the greedy token after each row (the first of equal logits). With the
+        head kernels, in the lm_head's own pass (kernels.head_argmax): no logits written or read again."""
+        head = self.__dict__.get("head_kernels")
+        if head and head.covers(hidden):
+            return head.argmax(hidden, self.lm_head.weight)
+        return self.logits(hidden).argmax(-1)
 
     def optimize(self, compile_backend: str | None = None, scope: str = "layer", attention: str = "matmul",
                  kernels: str = "torch", tuning=None) -> "Transformer":

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from draftsmith.target import SMALL_ROWS, ModelArgs, Transformer, hf_to_native, load_target, resolve_target, small_linear
+from draftsmith.target import (SMALL_ROWS, ModelArgs, Transformer, causal_mask, hf_to_native, load_target, resolve_target,
+                              small_linear)
 
 from conftest import make_hf_model
 
@@ -157,3 +158,24 @@ def test_sdpa_short_attention_keeps_a_tree_mask():
     rope = torch.tensor([[8, 9, 9, 10]])
     out = [m(tokens[:, 8:], torch.arange(8, 12), mask, rope) for m in (model, sdpa)]
     assert (model.logits(out[0].hidden) - sdpa.logits(out[1].hidden)).abs().max() < 1e-5
+
+
+def test_a_bf16_model_keeps_its_rotary_tables_cast_and_its_slots_for_the_mask():
+    """setup_caches keeps the rotary tables in the model's dtype (a step gathers rows without casting
+    them) and arange(max_len) for causal_mask: the same cos, sin and mask as computing them each step;
+    a move drops the cast tables and the next setup_caches makes them again."""
+    model = native_from_hf(make_hf_model()).to(torch.bfloat16)
+    pos = torch.tensor([[0, 5, 63]])
+    fresh = model.rotary.cos[pos].to(torch.bfloat16), model.rotary.sin[pos].to(torch.bfloat16)
+    assert not model.rotary.cast
+    model.setup_caches(1, 64)
+    assert set(model.rotary.cast) == {torch.bfloat16}
+    for got, want in zip(model.rotary(pos, torch.bfloat16), fresh):
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    assert torch.equal(model.rotary(pos, torch.float32)[0], model.rotary.cos[pos])  # other dtypes as before
+    input_pos = torch.tensor([3, 9])
+    assert torch.equal(causal_mask(input_pos, 64, model.slots), causal_mask(input_pos, 64))
+    model.to(torch.float32)  # a move drops them (fp32 needs none); back in bf16, setup_caches makes them again
+    assert not model.rotary.cast
+    model.to(torch.bfloat16).setup_caches(1, 64)
+    assert set(model.rotary.cast) == {torch.bfloat16}
