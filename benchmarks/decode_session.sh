@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Issue 3's h200-decode.json in one detached job on the device machine (device_bg.sh start), most wanted first:
+#   1. the Llama-3.1-8B shape (random weights): the default Tuning, and a sweep around it (gate_up split over K,
+#      2 warps) -> OUT/engine8b/engine.json
+#   2. once the GGUF is in place (later staging calls assemble it): h200_run.py bench, the command behind
+#      h200-decode.json, on the Triton tuning a sweep on SmolLM2's own weights finds fastest (its table in
+#      bench.json's engine_sweep), with HF generate, the 8B and SmolLM2 shapes (compiled, the default, the
+#      default with gate_up split) and the 4x5x15 tree beside 8x6x48 -> OUT/bench/bench.json
+#   3. the GPU tests of the kernels and decoding -> OUT/pytest-gpu.txt
+# Each step writes OUT/steps.txt lines (rc, seconds); OUT/done at the end.
+# usage: bash benchmarks/decode_session.sh OUT GGUF DATA
+set -uo pipefail
+out=${1:?usage: decode_session.sh OUT GGUF DATA} gguf=${2:?GGUF} data=${3:?DATA}
+cd "$(dirname "$0")/.."
+mkdir -p "$out"
+step() {  # step NAME SECONDS CMD...
+  local name=$1 limit=$2 t0
+  shift 2
+  t0=$(date +%s)
+  echo "== $name: $*" | tee -a "$out/steps.txt"
+  timeout "$limit" "$@"
+  echo "== $name: rc $? after $(( $(date +%s) - t0 )) s" | tee -a "$out/steps.txt"
+}
+echo "commit ${DRAFTSMITH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)} $(date -u +%FT%TZ)" >"$out/steps.txt"
+step engine8b 300 python3 benchmarks/h200_run.py engine --sections llama8b_shape --variants triton_default,triton_sweep \
+  --sweep "${SWEEP_8B:-bk_max=256;slots=128;gate_ksplit=1,4;warps=2,4}" --out "$out/engine8b"
+step wait-gguf "${GGUF_WAIT:-300}" bash -c "until [ -e '$gguf' ]; do sleep 2; done"
+step bench "${BENCH_LIMIT:-900}" python3 benchmarks/h200_run.py bench --gguf "$gguf" --data "$data" \
+  --drafter draftsmith/assets/drafter --engine triton_sweep \
+  --sweep "${SWEEP_SMOLLM2:-bk_max=256;slots=128;gate_ksplit=1,3;warps=2,4;split=32,64;merge_last=0,1}" \
+  --variants compiled,triton_default,triton_default_gate4 --ttt-paths "" --no-t1 --hf --with-8b --greedy-trees 4x5x15 \
+  --out "$out/bench"
+step pytest-gpu 480 bash -c "set -o pipefail; python3 -m pytest -v --tb=short -m gpu tests/test_kernels.py tests/test_decode.py \
+  -p no:logging 2>&1 | tee '$out/pytest-gpu.txt'"
+touch "$out/done"
