@@ -88,6 +88,9 @@ class Tuning:
     gate_ksplit: int = 1
     # with split: the last chunk program of a token merges the chunks itself instead of a sixth kernel
     merge_last: bool = False
+    # with split: o_proj merges the chunks itself, each program the attention-output columns it reads
+    # (one launch fewer a layer; every o_proj program reads its heads' partials): off until timed
+    fuse_merge: bool = False
     # programmatic dependent launch (Hopper): each kernel is put on the GPU while the one before it runs and
     # waits on the device for it to finish, instead of being launched after it (to hide the launch gaps of
     # SmolLM2's ~180 dependent kernels a step: 12% of its one-token step on an H100); the arithmetic is unchanged
@@ -109,6 +112,8 @@ class Tuning:
         for name in ("ksplit", "gate_ksplit"):
             if not 1 <= getattr(self, name) <= 16:
                 raise ValueError(f"Tuning.{name} must be 1 (no split) to 16, got {getattr(self, name)}")
+        if self.fuse_merge and (not self.split or self.merge_last):
+            raise ValueError("Tuning.fuse_merge must be off where split is 0 or merge_last on: it is where the split's chunks are merged")
         if not 0 <= self.stages <= 8:
             raise ValueError(f"Tuning.stages must be 0 (Triton's default) to 8, got {self.stages}")
 
@@ -443,6 +448,59 @@ def _linear(a_ptr, w_ptr, r_ptr, y_ptr, p_ptr, count_ptr, n_rows, K: tl.constexp
 
 
 @triton.jit
+def _merge_linear(pm_ptr, pl_ptr, pacc_ptr, slot_ptr, w_ptr, r_ptr, y_ptr, p_ptr, count_ptr, n_rows, K: tl.constexpr,
+                  N: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr,
+                  KS: tl.constexpr, KP: tl.constexpr, H: tl.constexpr, D: tl.constexpr, CH: tl.constexpr,
+                  TMAX: tl.constexpr, PDL: tl.constexpr):
+    # o_proj with Tuning.fuse_merge: y = r + o @ w^T where o (n_rows, H * D), the attention output, is merged
+    # here from _attention_part's partial softmaxes, each program the columns of o its K range reads, instead
+    # of by _attention_merge (one launch fewer a layer). Program and K parts as _linear's
+    _pdl_start(PDL)
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    rm = tl.program_id(1) * BM + tl.arange(0, BM)
+    inside = (rm[:, None] < n_rows) & (rn[None, :] < N)
+    _, end = _pass_slots(slot_ptr, n_rows, TMAX)
+    n_chunks = tl.cdiv(end, CH)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    lo = tl.program_id(2) * KP if KS > 1 else 0
+    for k0 in range(lo, lo + KP, BK):
+        rk = k0 + tl.arange(0, BK)
+        w = tl.trans(tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0))
+        a = _merged_rows(pm_ptr, pl_ptr, pacc_ptr, rm, rk, n_rows, n_chunks, K, H, D, BM, BK)
+        acc += tl.dot(a.to(w.dtype), w, input_precision=PREC)
+    at = rm[:, None] * N + rn[None, :]
+    if KS > 1:
+        tl.store(p_ptr + tl.program_id(2) * n_rows * N + at, acc, mask=inside)
+        if _arrive_last(count_ptr, tl.program_id(1) * tl.num_programs(0) + tl.program_id(0), KS):
+            _linear_out(_sum_parts(p_ptr, at, inside, n_rows * N, KS), at, inside, r_ptr, y_ptr, True)
+    else:
+        _linear_out(acc, at, inside, r_ptr, y_ptr, True)
+
+
+@triton.jit
+def _merged_rows(pm_ptr, pl_ptr, pacc_ptr, rm, rk, n_rows, n_chunks, K: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
+                 BM: tl.constexpr, BK: tl.constexpr):
+    """Columns rk of the attention output's rows rm, in fp32, from the first n_chunks chunks' partial softmaxes
+    (chunk c's running max and sum at c * n_rows * H + row * H + head, its unnormalised output at that
+    times D + d; column k is head k // D, d k % D): the chunks' largest max first, then each chunk weighted
+    by exp(its max - that), in chunk order. Chunks a row cannot see hold (-inf, 0, 0) and add exact zeros, so
+    its bits do not depend on how far its pass reaches."""
+    ok = (rm[:, None] < n_rows) & (rk[None, :] < K)
+    at = rm[:, None] * H + (rk // D)[None, :]
+    top = tl.full([BM, BK], float("-inf"), tl.float32)
+    for c in range(0, n_chunks):
+        top = tl.maximum(top, tl.load(pm_ptr + c * n_rows * H + at, mask=ok, other=float("-inf")))
+    top = tl.where(top == float("-inf"), 0.0, top)
+    num = tl.zeros([BM, BK], dtype=tl.float32)
+    den = tl.zeros([BM, BK], dtype=tl.float32)
+    for c in range(0, n_chunks):
+        w = tl.exp(tl.load(pm_ptr + c * n_rows * H + at, mask=ok, other=float("-inf")) - top)
+        den += w * tl.load(pl_ptr + c * n_rows * H + at, mask=ok, other=0.0)
+        num += w * tl.load(pacc_ptr + c * n_rows * K + rm[:, None] * K + rk[None, :], mask=ok, other=0.0)
+    return num / tl.where(den == 0.0, 1.0, den)
+
+
+@triton.jit
 def _dots(a_ptr, w_ptr, rm, rn, n_rows, lo, K: tl.constexpr, N: tl.constexpr, KP: tl.constexpr, BN: tl.constexpr,
           BK: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr):
     """a[rm] @ w[rn]^T over K's lo .. lo + KP in fp32: one tile of _linear's (and _head_argmax's) product."""
@@ -638,6 +696,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     _attention_part[(*grid, chunks)](q, k, v, mask, input_pos, pm, pl, pacc, out, count, T, S, mask.stride(0), mask.stride(1),
                                       D**-0.5, BS=min(bs, tuning.split), CH=tuning.split, MERGE=tuning.merge_last, NCP=ncp,
                                       **common)
+    if tuning.fuse_merge:  # o_proj merges them (_merge_matmul)
+        return pm, pl, pacc
     if not tuning.merge_last:
         _attention_merge[(T * h,)](pm, pl, pacc, input_pos, out, T, H=h, D=D, CH=tuning.split, NCP=ncp, TMAX=MAX_T,
                                    **_pdl(tuning, q))
@@ -669,8 +729,11 @@ def layer_forward(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
         cache.k, cache.v, parts, count, T, S, layer.input_layernorm.eps, K=Hd, D=D, H=h, KV=kv, BP=bp, BK=bk,
         HAS_BIAS=bias is not None, KS=ks, KP=kp, **mm)
     o = torch.empty(T, h * D, dtype=x.dtype, device=x.device)
-    attention(q, cache.k, cache.v, mask[0, 0], input_pos, o, tuning)
-    h1 = _matmul(o, attn.o_proj.weight, x2, tuning, tuning.ksplit)
+    parts = attention(q, cache.k, cache.v, mask[0, 0], input_pos, o, tuning)
+    if parts is None:
+        h1 = _matmul(o, attn.o_proj.weight, x2, tuning, tuning.ksplit)
+    else:
+        h1 = _merge_matmul(parts, input_pos, attn.o_proj.weight, x2, tuning)
     a = torch.empty(T, I, dtype=x.dtype, device=x.device)
     bi = tuning.cols or _block(I)
     post = layer.post_attention_layernorm
@@ -741,6 +804,22 @@ def _matmul(a: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None
     count = _counters(a, grid[0] * grid[1]) if ks > 1 else _unused(a)
     _linear[grid](a, weight, _unused(a) if residual is None else residual, y, parts, count, T, K=K, N=N,
                   BN=bn, BK=bk, RESIDUAL=residual is not None, KS=ks, KP=kp, **_matmul_options(a, tuning))
+    return y
+
+
+def _merge_matmul(parts: tuple, input_pos: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, tuning: Tuning):
+    """residual + o @ weight^T with o merged from attention's partials (pm, pl, pacc) in the matmul (Tuning.fuse_merge)."""
+    pm, pl, pacc = parts
+    _, T, h, D = pacc.shape
+    N, K = weight.shape
+    bn, bk = tuning.cols or _block(N), tuning.bk(K, residual.element_size())
+    ks, kp = _k_parts(K, bk, tuning.ksplit)
+    grid = (triton.cdiv(N, bn), triton.cdiv(T, ROWS), ks)
+    y = torch.empty(T, N, dtype=residual.dtype, device=residual.device)
+    p = torch.empty(ks, T, N, dtype=torch.float32, device=y.device) if ks > 1 else _unused(y)
+    count = _counters(y, grid[0] * grid[1]) if ks > 1 else _unused(y)
+    _merge_linear[grid](pm, pl, pacc, input_pos, weight, residual, y, p, count, T, K=K, N=N, BN=bn, BK=bk, KS=ks, KP=kp,
+                        H=h, D=D, CH=tuning.split, TMAX=MAX_T, **_matmul_options(residual, tuning))
     return y
 
 
