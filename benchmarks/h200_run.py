@@ -386,8 +386,6 @@ TRITON_VARIANTS = {name: {**BASE, **fields} for name, fields in {
     # the fastest measured at both shapes (H100 8B shape, logs/engine-8b-sweep-h100-3ff982a.json; H200 both, 50882f9)
     "triton_pdl_ksplit4_pairs32_split64": {"pdl": True, "ksplit": 4, "pairs": 32, "split": 64}}.items()}
 TRITON_VARIANTS["triton_default"] = {}
-TRITON_VARIANTS["triton_default_gate4"] = {"gate_ksplit": 4}  # over the default: gate_up split over K too
-TRITON_VARIANTS["triton_default_fuse_merge"] = {"fuse_merge": True}  # over the default: o_proj merges the attention chunks
 ENGINE_VARIANTS = ("graphs", "compiled", "compiled_model", "compiled_model_cdt", "compiled_sdpa", "compiled_autotune", "triton",
                    "triton_default", "triton_sweep")  # engine's default --variants
 

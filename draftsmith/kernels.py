@@ -65,8 +65,14 @@ class Tuning:
     (8B step 7.75 against 5.07 ms), the split's merge done by o_proj (SmolLM2 step 1.31 against 0.90 ms), the merge
     by the last chunk program (merge_last: 0.831 against 0.786 ms with PDL on the H200, 0.916 against 0.898 without
     on an H100), and weight tiles prefetched into L2 before the PDL wait (0.827 against 0.786 ms; 8B 5.83
-    against 4.42: logs/tree-cycle-h200-50882f9.json, reverted in a99c11c). head (on, so that a token's logits do
-    not depend on its pass): its speed against cuBLAS is unmeasured."""
+    against 4.42: logs/tree-cycle-h200-50882f9.json, reverted in a99c11c), gate_up split over K like the others
+    (SmolLM2 step 0.785 against 0.686 ms, 8B 5.73 against 5.64 on an H100: logs/bench-h100-6bd8ada.json), 2 warps
+    (8B 5.80 against 5.64, logs/engine8b-h100-6bd8ada.json) and o_proj merging the split's chunks itself, each
+    program its K range's heads (0.945 against 0.686 ms; 8B 7.62 against 5.78: every program redoes the merge;
+    logs/engine-fuse-merge-h100-ca6e436.json). On SmolLM2's own weights split 32 was 1% faster than 64 (0.687 against
+    0.695 ms, the sweep in logs/bench-h100-6bd8ada.json), level on random weights. head (on, so that a token's
+    logits do not depend on its pass): its speed against cuBLAS is unmeasured; its argmax (head_argmax) saves the
+    torch argmax and copy."""
     bk_max: int = 256  # reduction tile: K rounded up to a power of 2, at most this
     slots: int = 128  # attention: cache slots a step
     warps: int = 4
@@ -84,13 +90,8 @@ class Tuning:
     # and bytes in flight: the 8B shape's o_proj and down_proj have 128 column blocks, qkv 96-192 programs);
     # the last part to finish sums the parts in order, so no extra launch
     ksplit: int = 4
-    # the same for gate_up (its SiLU and product after the sum): 1, unsplit, until measured
-    gate_ksplit: int = 1
     # with split: the last chunk program of a token merges the chunks itself instead of a sixth kernel
     merge_last: bool = False
-    # with split: o_proj merges the chunks itself, each program the attention-output columns it reads
-    # (one launch fewer a layer; every o_proj program reads its heads' partials): off until timed
-    fuse_merge: bool = False
     # programmatic dependent launch (Hopper): each kernel is put on the GPU while the one before it runs and
     # waits on the device for it to finish, instead of being launched after it (to hide the launch gaps of
     # SmolLM2's ~180 dependent kernels a step: 12% of its one-token step on an H100); the arithmetic is unchanged
@@ -109,11 +110,8 @@ class Tuning:
             raise ValueError(f"Tuning.split must be 0 (no split) or a power of 2 >= 16, got {self.split}")
         if self.pairs < 16 or self.pairs & (self.pairs - 1):
             raise ValueError(f"Tuning.pairs must be a power of 2 >= 16, got {self.pairs}")
-        for name in ("ksplit", "gate_ksplit"):
-            if not 1 <= getattr(self, name) <= 16:
-                raise ValueError(f"Tuning.{name} must be 1 (no split) to 16, got {getattr(self, name)}")
-        if self.fuse_merge and (not self.split or self.merge_last):
-            raise ValueError("Tuning.fuse_merge must be off where split is 0 or merge_last on: it is where the split's chunks are merged")
+        if not 1 <= self.ksplit <= 16:
+            raise ValueError(f"Tuning.ksplit must be 1 (no split) to 16, got {self.ksplit}")
         if not 0 <= self.stages <= 8:
             raise ValueError(f"Tuning.stages must be 0 (Triton's default) to 8, got {self.stages}")
 
@@ -448,59 +446,6 @@ def _linear(a_ptr, w_ptr, r_ptr, y_ptr, p_ptr, count_ptr, n_rows, K: tl.constexp
 
 
 @triton.jit
-def _merge_linear(pm_ptr, pl_ptr, pacc_ptr, slot_ptr, w_ptr, r_ptr, y_ptr, p_ptr, count_ptr, n_rows, K: tl.constexpr,
-                  N: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr,
-                  KS: tl.constexpr, KP: tl.constexpr, H: tl.constexpr, D: tl.constexpr, CH: tl.constexpr,
-                  TMAX: tl.constexpr, PDL: tl.constexpr):
-    # o_proj with Tuning.fuse_merge: y = r + o @ w^T where o (n_rows, H * D), the attention output, is merged
-    # here from _attention_part's partial softmaxes, each program the columns of o its K range reads, instead
-    # of by _attention_merge (one launch fewer a layer). Program and K parts as _linear's
-    _pdl_start(PDL)
-    rn = tl.program_id(0) * BN + tl.arange(0, BN)
-    rm = tl.program_id(1) * BM + tl.arange(0, BM)
-    inside = (rm[:, None] < n_rows) & (rn[None, :] < N)
-    _, end = _pass_slots(slot_ptr, n_rows, TMAX)
-    n_chunks = tl.cdiv(end, CH)
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    lo = tl.program_id(2) * KP if KS > 1 else 0
-    for k0 in range(lo, lo + KP, BK):
-        rk = k0 + tl.arange(0, BK)
-        w = tl.trans(tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0))
-        a = _merged_rows(pm_ptr, pl_ptr, pacc_ptr, rm, rk, n_rows, n_chunks, K, H, D, BM, BK)
-        acc += tl.dot(a.to(w.dtype), w, input_precision=PREC)
-    at = rm[:, None] * N + rn[None, :]
-    if KS > 1:
-        tl.store(p_ptr + tl.program_id(2) * n_rows * N + at, acc, mask=inside)
-        if _arrive_last(count_ptr, tl.program_id(1) * tl.num_programs(0) + tl.program_id(0), KS):
-            _linear_out(_sum_parts(p_ptr, at, inside, n_rows * N, KS), at, inside, r_ptr, y_ptr, True)
-    else:
-        _linear_out(acc, at, inside, r_ptr, y_ptr, True)
-
-
-@triton.jit
-def _merged_rows(pm_ptr, pl_ptr, pacc_ptr, rm, rk, n_rows, n_chunks, K: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
-                 BM: tl.constexpr, BK: tl.constexpr):
-    """Columns rk of the attention output's rows rm, in fp32, from the first n_chunks chunks' partial softmaxes
-    (chunk c's running max and sum at c * n_rows * H + row * H + head, its unnormalised output at that
-    times D + d; column k is head k // D, d k % D): the chunks' largest max first, then each chunk weighted
-    by exp(its max - that), in chunk order. Chunks a row cannot see hold (-inf, 0, 0) and add exact zeros, so
-    its bits do not depend on how far its pass reaches."""
-    ok = (rm[:, None] < n_rows) & (rk[None, :] < K)
-    at = rm[:, None] * H + (rk // D)[None, :]
-    top = tl.full([BM, BK], float("-inf"), tl.float32)
-    for c in range(0, n_chunks):
-        top = tl.maximum(top, tl.load(pm_ptr + c * n_rows * H + at, mask=ok, other=float("-inf")))
-    top = tl.where(top == float("-inf"), 0.0, top)
-    num = tl.zeros([BM, BK], dtype=tl.float32)
-    den = tl.zeros([BM, BK], dtype=tl.float32)
-    for c in range(0, n_chunks):
-        w = tl.exp(tl.load(pm_ptr + c * n_rows * H + at, mask=ok, other=float("-inf")) - top)
-        den += w * tl.load(pl_ptr + c * n_rows * H + at, mask=ok, other=0.0)
-        num += w * tl.load(pacc_ptr + c * n_rows * K + rm[:, None] * K + rk[None, :], mask=ok, other=0.0)
-    return num / tl.where(den == 0.0, 1.0, den)
-
-
-@triton.jit
 def _dots(a_ptr, w_ptr, rm, rn, n_rows, lo, K: tl.constexpr, N: tl.constexpr, KP: tl.constexpr, BN: tl.constexpr,
           BK: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr):
     """a[rm] @ w[rn]^T over K's lo .. lo + KP in fp32: one tile of _linear's (and _head_argmax's) product."""
@@ -586,35 +531,18 @@ def _rmsnorm(x_ptr, nw_ptr, y_ptr, n_rows, eps, K: tl.constexpr, BK: tl.constexp
 
 
 @triton.jit
-def _gate_up(x_ptr, nw_ptr, w_ptr, y_ptr, p_ptr, count_ptr, n_rows, eps, K: tl.constexpr, I: tl.constexpr, BN: tl.constexpr,
-             BK: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr, KS: tl.constexpr, KP: tl.constexpr, PDL: tl.constexpr):
+def _gate_up(x_ptr, nw_ptr, w_ptr, y_ptr, n_rows, eps, K: tl.constexpr, I: tl.constexpr, BN: tl.constexpr,
+             BK: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
     # y = silu(norm(x) @ gate^T) * (norm(x) @ up^T); w is gate_up (2I, K): gate rows, then up rows.
-    # Program (column block, row tile[, K part]), as _linear; with KS parts (Tuning.gate_ksplit) each sums
-    # KP of K into fp32 partials p (KS, 2, n_rows, I), and the last part of a tile adds them up in order
+    # Program (column block, row tile), as _linear.
     _pdl_start(PDL)
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     rm = tl.program_id(1) * BM + tl.arange(0, BM)
-    lo = tl.program_id(2) * KP if KS > 1 else 0
-    acc_g, acc_u = _normed_dots(x_ptr, nw_ptr, w_ptr, rn, rn + I, rn < I, rm, n_rows, eps, lo, K, KP, BN, BK, BM, PREC)
-    at = rm[:, None] * I + rn[None, :]
-    inside = (rm[:, None] < n_rows) & (rn[None, :] < I)
-    if KS > 1:
-        part = p_ptr + tl.program_id(2) * 2 * n_rows * I
-        tl.store(part + at, acc_g, mask=inside)
-        tl.store(part + n_rows * I + at, acc_u, mask=inside)
-        if _arrive_last(count_ptr, tl.program_id(1) * tl.num_programs(0) + tl.program_id(0), KS):
-            _gate_up_out(_sum_parts(p_ptr, at, inside, 2 * n_rows * I, KS),
-                         _sum_parts(p_ptr + n_rows * I, at, inside, 2 * n_rows * I, KS), at, inside, y_ptr)
-    else:
-        _gate_up_out(acc_g, acc_u, at, inside, y_ptr)
-
-
-@triton.jit
-def _gate_up_out(acc_g, acc_u, at, inside, y_ptr):
+    acc_g, acc_u = _normed_dots(x_ptr, nw_ptr, w_ptr, rn, rn + I, rn < I, rm, n_rows, eps, 0, K, K, BN, BK, BM, PREC)
     dt = y_ptr.dtype.element_ty
     g = acc_g.to(dt).to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(dt)
-    tl.store(y_ptr + at, act * acc_u.to(dt), mask=inside)
+    tl.store(y_ptr + rm[:, None] * I + rn[None, :], act * acc_u.to(dt), mask=(rm[:, None] < n_rows) & (rn[None, :] < I))
 
 
 @triton.jit
@@ -696,8 +624,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     _attention_part[(*grid, chunks)](q, k, v, mask, input_pos, pm, pl, pacc, out, count, T, S, mask.stride(0), mask.stride(1),
                                       D**-0.5, BS=min(bs, tuning.split), CH=tuning.split, MERGE=tuning.merge_last, NCP=ncp,
                                       **common)
-    if tuning.fuse_merge:  # o_proj merges them (_merge_matmul)
-        return pm, pl, pacc
     if not tuning.merge_last:
         _attention_merge[(T * h,)](pm, pl, pacc, input_pos, out, T, H=h, D=D, CH=tuning.split, NCP=ncp, TMAX=MAX_T,
                                    **_pdl(tuning, q))
@@ -729,20 +655,12 @@ def layer_forward(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
         cache.k, cache.v, parts, count, T, S, layer.input_layernorm.eps, K=Hd, D=D, H=h, KV=kv, BP=bp, BK=bk,
         HAS_BIAS=bias is not None, KS=ks, KP=kp, **mm)
     o = torch.empty(T, h * D, dtype=x.dtype, device=x.device)
-    parts = attention(q, cache.k, cache.v, mask[0, 0], input_pos, o, tuning)
-    if parts is None:
-        h1 = _matmul(o, attn.o_proj.weight, x2, tuning, tuning.ksplit)
-    else:
-        h1 = _merge_matmul(parts, input_pos, attn.o_proj.weight, x2, tuning)
+    attention(q, cache.k, cache.v, mask[0, 0], input_pos, o, tuning)
+    h1 = _matmul(o, attn.o_proj.weight, x2, tuning, tuning.ksplit)
     a = torch.empty(T, I, dtype=x.dtype, device=x.device)
     bi = tuning.cols or _block(I)
     post = layer.post_attention_layernorm
-    gs, gp = _k_parts(Hd, bk, tuning.gate_ksplit)
-    grid = (triton.cdiv(I, bi), rows, gs)
-    parts = torch.empty(gs, 2, T, I, dtype=torch.float32, device=x.device) if gs > 1 else _unused(x)
-    count = _counters(x, grid[0] * grid[1]) if gs > 1 else _unused(x)
-    _gate_up[grid](h1, post.weight, mlp.gate_up.weight, a, parts, count, T, post.eps, K=Hd, I=I, BN=bi, BK=bk, KS=gs, KP=gp,
-                   **mm)
+    _gate_up[(triton.cdiv(I, bi), rows)](h1, post.weight, mlp.gate_up.weight, a, T, post.eps, K=Hd, I=I, BN=bi, BK=bk, **mm)
     return _matmul(a, mlp.down_proj.weight, h1, tuning, tuning.ksplit).view(1, T, Hd)
 
 
@@ -804,22 +722,6 @@ def _matmul(a: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None
     count = _counters(a, grid[0] * grid[1]) if ks > 1 else _unused(a)
     _linear[grid](a, weight, _unused(a) if residual is None else residual, y, parts, count, T, K=K, N=N,
                   BN=bn, BK=bk, RESIDUAL=residual is not None, KS=ks, KP=kp, **_matmul_options(a, tuning))
-    return y
-
-
-def _merge_matmul(parts: tuple, input_pos: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, tuning: Tuning):
-    """residual + o @ weight^T with o merged from attention's partials (pm, pl, pacc) in the matmul (Tuning.fuse_merge)."""
-    pm, pl, pacc = parts
-    _, T, h, D = pacc.shape
-    N, K = weight.shape
-    bn, bk = tuning.cols or _block(N), tuning.bk(K, residual.element_size())
-    ks, kp = _k_parts(K, bk, tuning.ksplit)
-    grid = (triton.cdiv(N, bn), triton.cdiv(T, ROWS), ks)
-    y = torch.empty(T, N, dtype=residual.dtype, device=residual.device)
-    p = torch.empty(ks, T, N, dtype=torch.float32, device=y.device) if ks > 1 else _unused(y)
-    count = _counters(y, grid[0] * grid[1]) if ks > 1 else _unused(y)
-    _merge_linear[grid](pm, pl, pacc, input_pos, weight, residual, y, p, count, T, K=K, N=N, BN=bn, BK=bk, KS=ks, KP=kp,
-                        H=h, D=D, CH=tuning.split, TMAX=MAX_T, **_matmul_options(residual, tuning))
     return y
 
 

@@ -59,8 +59,7 @@ TUNINGS = {"default": kernels.Tuning(), "unsplit": kernels.Tuning(split=0),
            "small-tiles": kernels.Tuning(bk_max=16, slots=16, warps=2, split=0),
            "cols32-stages2": kernels.Tuning(bk_max=32, slots=32, cols=32, stages=2),
            "split16": kernels.Tuning(split=16, slots=16), "split32": kernels.Tuning(split=32),
-           "split16-fuse-merge": kernels.Tuning(bk_max=16, split=16, slots=16, fuse_merge=True),
-           "ksplit3-merge-last": kernels.Tuning(bk_max=16, ksplit=3, gate_ksplit=3, split=16, slots=16, merge_last=True),
+           "ksplit3-merge-last": kernels.Tuning(bk_max=16, ksplit=3, split=16, slots=16, merge_last=True),
            "before-2026-12-06": kernels.Tuning(split=128, pairs=16, ksplit=1, pdl=False)}
 
 
@@ -96,7 +95,7 @@ def test_the_kernels_compile_for_an_h200(shape, dtypes, tmp_path):
     chunk program (their atomics and L2 reads). A loop-carried value whose dtype changes passes the
     interpreter and fails here."""
     run, report = compile_check(tmp_path, "--shape", shape, "--dtypes", dtypes, "--variants",
-                                "triton_default,triton_default_gate4,triton_default_fuse_merge,triton,triton_ksplit4,triton_merge_last,triton_pdl")
+                                "triton_default,triton,triton_ksplit4,triton_merge_last,triton_pdl")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert report["failed"] == 0 and report["launches_compiled"] >= 8
     # every layer and head kernel waits on the one before (not the greedy head as torch.compile traces it: PDL off there)
@@ -104,7 +103,7 @@ def test_the_kernels_compile_for_an_h200(shape, dtypes, tmp_path):
            and r["constexprs"].get("LAST") is not False and r["kernel"] != "_argmax_reduce"]
     assert pdl and all(r["griddepcontrol"] for r in pdl)
     assert {"_qkv_rope_cache", "_attention_part", "_attention_merge", "_linear", "_gate_up", "_rmsnorm", "_move_slots",
-            "_head_argmax", "_argmax_reduce", "_merge_linear"} <= {
+            "_head_argmax", "_argmax_reduce"} <= {
         r["kernel"] for r in report["results"]}
 
 
@@ -119,7 +118,7 @@ def test_the_compile_check_refuses_a_tuning_the_gpu_refused(tmp_path):
     assert "_qkv_rope_cache" in failed and failed["_qkv_rope_cache"]["shared_bytes"] > 232448
 
 
-@pytest.mark.parametrize("bad", [dict(bk_max=48), dict(slots=8), dict(warps=3), dict(cols=24), dict(stages=9), dict(pairs=24), dict(ksplit=0), dict(gate_ksplit=17), dict(fuse_merge=True, split=0),
+@pytest.mark.parametrize("bad", [dict(bk_max=48), dict(slots=8), dict(warps=3), dict(cols=24), dict(stages=9), dict(pairs=24), dict(ksplit=0),
                                  dict(split=24)])
 def test_a_tuning_the_kernels_cannot_take_is_refused_naming_the_field(bad):
     with pytest.raises(ValueError, match=f"Tuning.{next(iter(bad))} must be"):
@@ -196,9 +195,8 @@ ON_THIS_HOST = [pytest.param("cpu", marks=pytest.mark.skipif(torch.cuda.is_avail
 
 
 # the default (PDL on CUDA); K split into parts with the merge by the last chunk program (tiles small enough to split); no PDL
-BITS_TUNINGS = {"default": kernels.Tuning(), "ksplit2-merge-last": kernels.Tuning(bk_max=32, ksplit=2, gate_ksplit=2, split=16, merge_last=True),
-                "no-pdl": kernels.Tuning(pdl=False),
-                "ksplit2-fuse-merge": kernels.Tuning(bk_max=32, ksplit=2, split=16, fuse_merge=True)}  # pdl (the default's): a launch option on CUDA, ignored by the interpreter
+BITS_TUNINGS = {"default": kernels.Tuning(), "ksplit2-merge-last": kernels.Tuning(bk_max=32, ksplit=2, split=16, merge_last=True),
+                "no-pdl": kernels.Tuning(pdl=False)}  # pdl (the default's): a launch option on CUDA, ignored by the interpreter
 
 
 @pytest.mark.parametrize("tuning", BITS_TUNINGS.values(), ids=BITS_TUNINGS.keys())
@@ -342,8 +340,6 @@ def test_wider_qkv_programs_match_the_torch_layer(pairs):
 ATTENTION_TUNINGS = {"one-block": kernels.Tuning(split=0), "blocks16": kernels.Tuning(slots=16, split=0),
                      "split16": kernels.Tuning(split=16, slots=16), "split32": kernels.Tuning(split=32),
                      "split16-merge-last": kernels.Tuning(split=16, slots=16, merge_last=True)}
-# o_proj merging the chunks (no attention output of its own: layer-level tests only)
-LAYER_TUNINGS = {**ATTENTION_TUNINGS, "split16-fuse-merge": kernels.Tuning(split=16, slots=16, fuse_merge=True)}
 
 
 def attention_reference(q, k, v, mask):
@@ -433,7 +429,7 @@ def test_a_pass_spread_wider_than_the_layout_window_keeps_the_caches_order(tunin
     torch.testing.assert_close(out.view(T, h, D), attention_reference(q, k, v, mask), atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("tuning", LAYER_TUNINGS.values(), ids=LAYER_TUNINGS.keys())
+@pytest.mark.parametrize("tuning", ATTENTION_TUNINGS.values(), ids=ATTENTION_TUNINGS.keys())
 def test_a_rows_layer_output_does_not_depend_on_how_far_its_pass_reaches(tuning, nan_empty):
     """The same at the layer: rows 0 and 1 of a 3-token pass get the same bits whether row 2 writes slot
     12 or slot 50, split or not."""
@@ -455,9 +451,8 @@ def test_a_rows_layer_output_does_not_depend_on_how_far_its_pass_reaches(tuning,
 
 
 @pytest.mark.parametrize("tuning", [kernels.Tuning(split=0), kernels.Tuning(split=16, slots=16),
-                                    kernels.Tuning(split=16, slots=16, merge_last=True),
-                                    kernels.Tuning(split=16, slots=16, fuse_merge=True)],
-                         ids=["unsplit", "split16", "split16-merge-last", "split16-fuse-merge"])  # ksplit: on CUDA below (the interpreter is slow)
+                                    kernels.Tuning(split=16, slots=16, merge_last=True)],
+                         ids=["unsplit", "split16", "split16-merge-last"])  # ksplit: on CUDA below (the interpreter is slow)
 def test_speculative_decoding_on_the_kernels_equals_plain_greedy(tuning):
     eager = kernel_target(layers=4)  # a drafter reads three distinct aux layers
     model = kernel_target(layers=4).optimize(kernels="triton", tuning=tuning)
@@ -517,9 +512,8 @@ def test_arrival_counters_are_not_made_inside_graph_capture(monkeypatch):
 
 
 @pytest.mark.parametrize("tuning", [kernels.Tuning(), kernels.Tuning(split=0),
-                                    kernels.Tuning(bk_max=16, ksplit=3, gate_ksplit=3, split=16, slots=16, merge_last=True),
-                                    kernels.Tuning(bk_max=16, ksplit=3, split=16, slots=16, fuse_merge=True)],
-                         ids=["default", "unsplit", "ksplit3-merge-last", "ksplit3-fuse-merge"])
+                                    kernels.Tuning(bk_max=16, ksplit=3, split=16, slots=16, merge_last=True)],
+                         ids=["default", "unsplit", "ksplit3-merge-last"])
 def test_no_launch_passes_one_tensor_for_two_arguments(monkeypatch, tuning):
     """A written tensor passed for two pointer arguments comes back unwritten from torch.compile's functional
     form of the call when torch cannot tell which arguments the kernel writes (it clones each argument and
@@ -607,11 +601,11 @@ SMOLLM2_WIDTHS = dict(hidden_size=576, num_attention_heads=9, num_key_value_head
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("tuning,compiled", [(kernels.Tuning(), False), (kernels.Tuning(split=0), True),
-                                             (kernels.Tuning(ksplit=2, gate_ksplit=2, merge_last=True), False),
+                                             (kernels.Tuning(ksplit=2, merge_last=True), False),
                                              (kernels.Tuning(pdl=True, ksplit=2, merge_last=True), False),
-                                             (kernels.Tuning(pdl=True), True), (kernels.Tuning(split=32, fuse_merge=True), False)],
+                                             (kernels.Tuning(pdl=True), True)],
                          ids=["default", "unsplit-compiled-drafter", "ksplit2-merge-last", "pdl-ksplit2-merge-last",
-                              "pdl-compiled-drafter", "split32-fuse-merge"])
+                              "pdl-compiled-drafter"])
 def test_speculation_on_cuda_kernels_at_smollm2_widths_equals_plain(tuning, compiled, dtype):
     """The device bench's exactness check, at SmolLM2's widths with the default Tuning under CUDA
     graphs: the fp32 tiles must fit an SM (the bench's fp32 check once died of OutOfResources) and a
@@ -653,9 +647,8 @@ def test_speculation_on_cuda_kernels_at_smollm2_widths_equals_plain(tuning, comp
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("tuning", [kernels.Tuning(split=0), kernels.Tuning(split=128), kernels.Tuning(split=256),
-                                    kernels.Tuning(ksplit=4, gate_ksplit=4, merge_last=True), kernels.Tuning(pdl=True),
-                                    kernels.Tuning(fuse_merge=True)],
-                         ids=["split0", "split128", "split256", "ksplit4-merge-last", "pdl", "fuse-merge"])
+                                    kernels.Tuning(ksplit=4, merge_last=True), kernels.Tuning(pdl=True)],
+                         ids=["split0", "split128", "split256", "ksplit4-merge-last", "pdl"])
 @pytest.mark.parametrize("T", [1, 8, 49])
 def test_bf16_kernels_fit_and_match_at_the_llama8b_layer_shape(T, tuning):
     """One Llama-3.1-8B-shaped layer (4096 wide, 32 heads of 128, 8 kv heads, 14336 MLP) with the
