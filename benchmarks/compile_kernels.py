@@ -21,6 +21,7 @@ import argparse
 import itertools
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -180,7 +181,10 @@ def main():
                     if not entry["ok"]:
                         entry["error"] = f"shared memory {compiled.metadata.shared} B > the {limit} B a block may use"
                     if options.get("launch_pdl"):  # a PDL launch must wait on the device before touching memory
-                        entry["griddepcontrol"] = "griddepcontrol.wait" in compiled.asm["ptx"]
+                        ptx = compiled.asm["ptx"]
+                        entry["griddepcontrol"] = "griddepcontrol.wait" in ptx
+                        # global loads the kernel issues before it waits: only weights may be (Tuning.early_weights)
+                        entry["loads_before_wait"] = len(re.findall(r"\bld\.global", ptx[: ptx.find("griddepcontrol.wait")]))
                         if not entry["griddepcontrol"]:
                             entry.update(ok=False, error="launched with PDL but never waits (griddepcontrol.wait)")
                 except Exception as e:  # noqa: BLE001 - every launch is reported, the run fails at the end

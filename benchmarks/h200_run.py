@@ -386,6 +386,7 @@ TRITON_VARIANTS = {name: {**BASE, **fields} for name, fields in {
     # the fastest measured at both shapes (H100 8B shape, logs/engine-8b-sweep-h100-3ff982a.json; H200 both, 50882f9)
     "triton_pdl_ksplit4_pairs32_split64": {"pdl": True, "ksplit": 4, "pairs": 32, "split": 64}}.items()}
 TRITON_VARIANTS["triton_default"] = {}
+TRITON_VARIANTS["triton_default_early"] = {"early_weights": True}  # over the default: first weight tiles before the PDL wait
 ENGINE_VARIANTS = ("graphs", "compiled", "compiled_model", "compiled_model_cdt", "compiled_sdpa", "compiled_autotune", "triton",
                    "triton_default", "triton_sweep")  # engine's default --variants
 

@@ -96,6 +96,9 @@ class Tuning:
     # waits on the device for it to finish, instead of being launched after it (to hide the launch gaps of
     # SmolLM2's ~180 dependent kernels a step: 12% of its one-token step on an H100); the arithmetic is unchanged
     pdl: bool = True
+    # with pdl: the matmul kernels load their first weight tiles before waiting for the kernel before (weights
+    # are never written), so that read overlaps it; off until timed
+    early_weights: bool = False
 
     def __post_init__(self):
         for name in ("bk_max", "slots"):
@@ -160,19 +163,39 @@ def _normed(x_ptr, nw_ptr, rm, rk, n_rows, rstd, K: tl.constexpr):
 
 
 @triton.jit
+def _w_tile(w_ptr, n, n_ok, rk, K: tl.constexpr):
+    """Weight rows n (n_ok masking them), columns rk of a row-major (N, K) matrix, transposed: (BK, BN)."""
+    return tl.trans(tl.load(w_ptr + n[:, None] * K + rk[None, :], mask=n_ok[:, None] & (rk[None, :] < K), other=0.0))
+
+
+@triton.jit
 def _normed_dots(x_ptr, nw_ptr, w_ptr, n1, n2, n_ok, rm, n_rows, eps, lo, K: tl.constexpr, KP: tl.constexpr,
-                 BN: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr):
+                 BN: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
+                 EARLY: tl.constexpr):
     """rmsnorm(x) @ w[n1]^T and @ w[n2]^T for rows rm (BN weight rows each, n_ok masking them) over K's
     lo .. lo + KP (all of it: 0, K), RMSNorm rounded as RMSNorm.forward rounds it after a first pass over
-    the whole of x for rstd."""
+    the whole of x for rstd. Waits for the kernel before (PDL) itself: with EARLY (Tuning.early_weights) after
+    loading the first weight tiles, which no kernel writes."""
     acc1 = tl.zeros([BM, BN], dtype=tl.float32)
     acc2 = tl.zeros([BM, BN], dtype=tl.float32)
-    rstd = _rstd(x_ptr, rm, n_rows, eps, K, BK, BM)
-    for k0 in range(lo, lo + KP, BK):
+    first = lo
+    if EARLY:  # the first tiles' dots peeled off the loop, their weights read before the wait
+        rk = lo + tl.arange(0, BK)
+        w1 = _w_tile(w_ptr, n1, n_ok, rk, K)
+        w2 = _w_tile(w_ptr, n2, n_ok, rk, K)
+        _pdl_start(PDL)
+        rstd = _rstd(x_ptr, rm, n_rows, eps, K, BK, BM)
+        a = _normed(x_ptr, nw_ptr, rm, rk, n_rows, rstd, K)
+        acc1 += tl.dot(a, w1, input_precision=PREC)
+        acc2 += tl.dot(a, w2, input_precision=PREC)
+        first = lo + BK
+    else:
+        _pdl_start(PDL)
+        rstd = _rstd(x_ptr, rm, n_rows, eps, K, BK, BM)
+    for k0 in range(first, lo + KP, BK):
         rk = k0 + tl.arange(0, BK)
-        inside = n_ok[:, None] & (rk[None, :] < K)
-        w1 = tl.trans(tl.load(w_ptr + n1[:, None] * K + rk[None, :], mask=inside, other=0.0))
-        w2 = tl.trans(tl.load(w_ptr + n2[:, None] * K + rk[None, :], mask=inside, other=0.0))
+        w1 = _w_tile(w_ptr, n1, n_ok, rk, K)
+        w2 = _w_tile(w_ptr, n2, n_ok, rk, K)
         a = _normed(x_ptr, nw_ptr, rm, rk, n_rows, rstd, K)
         acc1 += tl.dot(a, w1, input_precision=PREC)
         acc2 += tl.dot(a, w2, input_precision=PREC)
@@ -217,19 +240,19 @@ def _qkv_out(acc1, acc2, rm, head, d1, b_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr,
 def _qkv_rope_cache(x_ptr, nw_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, p_ptr, count_ptr,
                     n_rows, S, eps, K: tl.constexpr, D: tl.constexpr, H: tl.constexpr, KV: tl.constexpr,
                     BP: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, HAS_BIAS: tl.constexpr, PREC: tl.constexpr,
-                    KS: tl.constexpr, KP: tl.constexpr, PDL: tl.constexpr):
+                    KS: tl.constexpr, KP: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
     # program (head x K part, pair block, row tile); heads are q heads, then k heads, then v heads (qkv's
     # rows). A program computes BP rotary pairs (d, d + D/2) of one head, so it can rotate them itself.
     # With KS parts (Tuning.ksplit) each sums KP of K into fp32 partials p (KS, n_rows, qkv's columns); the
     # last part of (head, pairs, rows) to finish adds them up in order and finishes as an unsplit one does
-    _pdl_start(PDL)
     head = tl.program_id(0) // KS
     d1 = tl.program_id(1) * BP + tl.arange(0, BP)  # first halves; partners at d1 + D/2
     rm = tl.program_id(2) * BM + tl.arange(0, BM)
     n1 = head * D + d1
     part = tl.program_id(0) % KS
     lo = part * KP if KS > 1 else 0
-    acc1, acc2 = _normed_dots(x_ptr, nw_ptr, w_ptr, n1, n1 + D // 2, d1 < D // 2, rm, n_rows, eps, lo, K, KP, BP, BK, BM, PREC)
+    acc1, acc2 = _normed_dots(x_ptr, nw_ptr, w_ptr, n1, n1 + D // 2, d1 < D // 2, rm, n_rows, eps, lo, K, KP, BP, BK, BM, PREC,
+                              PDL, EARLY)
     if KS > 1:
         NQ: tl.constexpr = (H + 2 * KV) * D  # qkv's columns
         at = rm[:, None] * NQ + n1[None, :]
@@ -428,14 +451,14 @@ def _merge_row(pm_ptr, pl_ptr, pacc_ptr, o_ptr, row, stride, n_chunks, D: tl.con
 @triton.jit
 def _linear(a_ptr, w_ptr, r_ptr, y_ptr, p_ptr, count_ptr, n_rows, K: tl.constexpr, N: tl.constexpr, BN: tl.constexpr,
             BK: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr, RESIDUAL: tl.constexpr, KS: tl.constexpr,
-            KP: tl.constexpr, PDL: tl.constexpr):
+            KP: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
     # y = r + a @ w^T (or a @ w^T), program (column block, row tile[, K part]). With KS parts each sums
     # KP of K into fp32 partials p (KS, n_rows, N); the last part of a tile to finish adds them up in order
-    _pdl_start(PDL)
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     rm = tl.program_id(1) * BM + tl.arange(0, BM)
     inside = (rm[:, None] < n_rows) & (rn[None, :] < N)
-    acc = _dots(a_ptr, w_ptr, rm, rn, n_rows, tl.program_id(2) * KP if KS > 1 else 0, K, N, KP, BN, BK, BM, PREC)
+    acc = _dots(a_ptr, w_ptr, rm, rn, n_rows, tl.program_id(2) * KP if KS > 1 else 0, K, N, KP, BN, BK, BM, PREC, PDL,
+                EARLY)
     at = rm[:, None] * N + rn[None, :]
     if KS > 1:
         tl.store(p_ptr + tl.program_id(2) * n_rows * N + at, acc, mask=inside)
@@ -447,28 +470,36 @@ def _linear(a_ptr, w_ptr, r_ptr, y_ptr, p_ptr, count_ptr, n_rows, K: tl.constexp
 
 @triton.jit
 def _dots(a_ptr, w_ptr, rm, rn, n_rows, lo, K: tl.constexpr, N: tl.constexpr, KP: tl.constexpr, BN: tl.constexpr,
-          BK: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr):
-    """a[rm] @ w[rn]^T over K's lo .. lo + KP in fp32: one tile of _linear's (and _head_argmax's) product."""
+          BK: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
+    """a[rm] @ w[rn]^T over K's lo .. lo + KP in fp32: one tile of _linear's (and _head_argmax's) product.
+    Waits for the kernel before (PDL) as _normed_dots does, with EARLY after loading the first weight tile."""
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(lo, lo + KP, BK):
-        rk = k0 + tl.arange(0, BK)
-        w = tl.trans(tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0))
+    first = lo
+    if EARLY:  # the first tile's dot peeled off the loop, its weights read before the wait
+        rk = lo + tl.arange(0, BK)
+        w = _w_tile(w_ptr, rn, rn < N, rk, K)
+        _pdl_start(PDL)
         acc += tl.dot(_rows(a_ptr, rm, rk, n_rows, K), w, input_precision=PREC)
+        first = lo + BK
+    else:
+        _pdl_start(PDL)
+    for k0 in range(first, lo + KP, BK):
+        rk = k0 + tl.arange(0, BK)
+        acc += tl.dot(_rows(a_ptr, rm, rk, n_rows, K), _w_tile(w_ptr, rn, rn < N, rk, K), input_precision=PREC)
     return acc
 
 
 @triton.jit
 def _head_argmax(a_ptr, w_ptr, pv_ptr, pi_ptr, out_ptr, count_ptr, n_rows, K: tl.constexpr, N: tl.constexpr,
                  BN: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr, LAST: tl.constexpr,
-                 CH: tl.constexpr, PDL: tl.constexpr):
+                 CH: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
     # out = argmax over N of a @ w^T rounded to a's dtype (what logits(...).argmax(-1) picks: the first
     # column of the largest), program (column block, row tile) as _linear's, without writing the logits:
     # each program writes its block's largest and where (pv, pi: (n_rows, blocks)); with LAST the last
     # program of a row tile to finish reduces them, else _argmax_reduce does (one launch more)
-    _pdl_start(PDL)
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     rm = tl.program_id(1) * BM + tl.arange(0, BM)
-    acc = _dots(a_ptr, w_ptr, rm, rn, n_rows, 0, K, N, K, BN, BK, BM, PREC)
+    acc = _dots(a_ptr, w_ptr, rm, rn, n_rows, 0, K, N, K, BN, BK, BM, PREC, PDL, EARLY)
     v = tl.where(rn[None, :] < N, acc.to(a_ptr.dtype.element_ty).to(tl.float32), float("-inf"))
     top = tl.max(v, axis=1)
     first = tl.min(tl.where(v == top[:, None], rn[None, :], N), axis=1)
@@ -532,13 +563,13 @@ def _rmsnorm(x_ptr, nw_ptr, y_ptr, n_rows, eps, K: tl.constexpr, BK: tl.constexp
 
 @triton.jit
 def _gate_up(x_ptr, nw_ptr, w_ptr, y_ptr, n_rows, eps, K: tl.constexpr, I: tl.constexpr, BN: tl.constexpr,
-             BK: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
+             BK: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
     # y = silu(norm(x) @ gate^T) * (norm(x) @ up^T); w is gate_up (2I, K): gate rows, then up rows.
     # Program (column block, row tile), as _linear.
-    _pdl_start(PDL)
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     rm = tl.program_id(1) * BM + tl.arange(0, BM)
-    acc_g, acc_u = _normed_dots(x_ptr, nw_ptr, w_ptr, rn, rn + I, rn < I, rm, n_rows, eps, 0, K, K, BN, BK, BM, PREC)
+    acc_g, acc_u = _normed_dots(x_ptr, nw_ptr, w_ptr, rn, rn + I, rn < I, rm, n_rows, eps, 0, K, K, BN, BK, BM, PREC, PDL,
+                                EARLY)
     dt = y_ptr.dtype.element_ty
     g = acc_g.to(dt).to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(dt)
@@ -672,7 +703,7 @@ def _precision(x: torch.Tensor) -> str:
 def _matmul_options(x: torch.Tensor, tuning: Tuning) -> dict:
     """The matmul kernels' launch options for x's dtype (layer_forward's and the head's alike)."""
     return dict(BM=ROWS, PREC=_precision(x), num_warps=tuning.warps, **({"num_stages": tuning.stages} if tuning.stages else {}),
-                **_pdl(tuning, x))
+                EARLY=tuning.early_weights, **_pdl(tuning, x))
 
 
 def _pdl(tuning: Tuning, like: torch.Tensor) -> dict:

@@ -60,7 +60,8 @@ TUNINGS = {"default": kernels.Tuning(), "unsplit": kernels.Tuning(split=0),
            "cols32-stages2": kernels.Tuning(bk_max=32, slots=32, cols=32, stages=2),
            "split16": kernels.Tuning(split=16, slots=16), "split32": kernels.Tuning(split=32),
            "ksplit3-merge-last": kernels.Tuning(bk_max=16, ksplit=3, split=16, slots=16, merge_last=True),
-           "before-2026-12-06": kernels.Tuning(split=128, pairs=16, ksplit=1, pdl=False)}
+           "before-2026-12-06": kernels.Tuning(split=128, pairs=16, ksplit=1, pdl=False),
+           "early-weights-small-tiles": kernels.Tuning(bk_max=16, early_weights=True)}
 
 
 def nvidia_compiler() -> bool:
@@ -95,13 +96,19 @@ def test_the_kernels_compile_for_an_h200(shape, dtypes, tmp_path):
     chunk program (their atomics and L2 reads). A loop-carried value whose dtype changes passes the
     interpreter and fails here."""
     run, report = compile_check(tmp_path, "--shape", shape, "--dtypes", dtypes, "--variants",
-                                "triton_default,triton,triton_ksplit4,triton_merge_last,triton_pdl")
+                                "triton_default,triton_default_early,triton,triton_ksplit4,triton_merge_last,triton_pdl")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert report["failed"] == 0 and report["launches_compiled"] >= 8
     # every layer and head kernel waits on the one before (not the greedy head as torch.compile traces it: PDL off there)
-    pdl = [r for r in report["results"] if r["variant"] in ("triton_pdl", "triton_default") and r["kernel"] != "_move_slots"
+    pdl = [r for r in report["results"] if r["variant"] in ("triton_pdl", "triton_default", "triton_default_early")
+           and r["kernel"] != "_move_slots"
            and r["constexprs"].get("LAST") is not False and r["kernel"] != "_argmax_reduce"]
     assert pdl and all(r["griddepcontrol"] for r in pdl)
+    # nothing is read before the wait, but with Tuning.early_weights the matmuls' first weight tiles
+    assert all(r["loads_before_wait"] == 0 for r in pdl if r["variant"] != "triton_default_early")
+    early = [r for r in pdl if r["variant"] == "triton_default_early"]
+    assert all((r["loads_before_wait"] > 0) == (r["kernel"] in ("_qkv_rope_cache", "_linear", "_gate_up", "_head_argmax"))
+               for r in early) and {r["kernel"] for r in early} >= {"_qkv_rope_cache", "_linear", "_gate_up"}
     assert {"_qkv_rope_cache", "_attention_part", "_attention_merge", "_linear", "_gate_up", "_rmsnorm", "_move_slots",
             "_head_argmax", "_argmax_reduce"} <= {
         r["kernel"] for r in report["results"]}
@@ -196,7 +203,8 @@ ON_THIS_HOST = [pytest.param("cpu", marks=pytest.mark.skipif(torch.cuda.is_avail
 
 # the default (PDL on CUDA); K split into parts with the merge by the last chunk program (tiles small enough to split); no PDL
 BITS_TUNINGS = {"default": kernels.Tuning(), "ksplit2-merge-last": kernels.Tuning(bk_max=32, ksplit=2, split=16, merge_last=True),
-                "no-pdl": kernels.Tuning(pdl=False)}  # pdl (the default's): a launch option on CUDA, ignored by the interpreter
+                "no-pdl": kernels.Tuning(pdl=False),
+                "early-weights": kernels.Tuning(early_weights=True)}  # pdl (the default's): a launch option on CUDA, ignored by the interpreter
 
 
 @pytest.mark.parametrize("tuning", BITS_TUNINGS.values(), ids=BITS_TUNINGS.keys())
