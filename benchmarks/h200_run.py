@@ -371,10 +371,10 @@ def kernel_profile(run, top_n: int = 40) -> dict:
 
 
 # Triton engine variants: kernels.Tuning fields each sets over BASE, the Tuning default until 2026-12-06, so that
-# a name means what it meant in the logs; triton_default is kernels.Tuning() itself (the same as
-# triton_pdl_ksplit4_pairs32_split64 since). kernels.py is imported only when one is used: its kernels read
+# a name means what it meant in the logs; triton_default is kernels.Tuning() itself (triton_pdl_ksplit4_pairs32_split64
+# from 6e62d1b, with Tuning.early_weights since 3dbfcea; triton_default_late is it without). kernels.py is imported only when one is used: its kernels read
 # TRITON_INTERPRET when defined, which tests set before importing it
-BASE = {"split": 128, "pairs": 16, "ksplit": 1, "pdl": False}
+BASE = {"split": 128, "pairs": 16, "ksplit": 1, "pdl": False, "early_weights": False}
 TRITON_VARIANTS = {name: {**BASE, **fields} for name, fields in {
     "triton": {}, "triton_torch_commit": {"move_slots": False}, "triton_unsplit": {"split": 0},
     "triton_split64": {"split": 64}, "triton_split256": {"split": 256}, "triton_pairs32": {"pairs": 32},
@@ -386,7 +386,7 @@ TRITON_VARIANTS = {name: {**BASE, **fields} for name, fields in {
     # the fastest measured at both shapes (H100 8B shape, logs/engine-8b-sweep-h100-3ff982a.json; H200 both, 50882f9)
     "triton_pdl_ksplit4_pairs32_split64": {"pdl": True, "ksplit": 4, "pairs": 32, "split": 64}}.items()}
 TRITON_VARIANTS["triton_default"] = {}
-TRITON_VARIANTS["triton_default_early"] = {"early_weights": True}  # over the default: first weight tiles before the PDL wait
+TRITON_VARIANTS["triton_default_late"] = {"early_weights": False}  # the default, weights read after the PDL wait (until 3dbfcea)
 ENGINE_VARIANTS = ("graphs", "compiled", "compiled_model", "compiled_model_cdt", "compiled_sdpa", "compiled_autotune", "triton",
                    "triton_default", "triton_sweep")  # engine's default --variants
 
@@ -785,7 +785,8 @@ def main():
     ap.add_argument("--engine", default="triton_default", choices=sorted({*ENGINE_VARIANTS[1:], *TRITON_VARIANTS}),
                     help="bench: how the SmolLM2 engine is optimised (triton_default: kernels.Tuning(), the fastest measured:"
                     " plain 1381.7 tok/s and chain 2254.6 on the H200 at 50882f9 against 1217.0 and 2047.6 with triton_pdl,"
-                    " logs/bench-k4-h200-50882f9.json, logs/bench-full-h200-50882f9.json)")
+                    " logs/bench-k4-h200-50882f9.json, logs/bench-full-h200-50882f9.json; since 3dbfcea with early_weights:"
+                    " 1440.3 and 2365.3 on an H100, logs/bench-early-h100-3dbfcea.json)")
     ap.add_argument("--with-8b", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--gguf")
     ap.add_argument("--data")

@@ -72,7 +72,8 @@ class Tuning:
     logs/engine-fuse-merge-h100-ca6e436.json). On SmolLM2's own weights split 32 was 1% faster than 64 (0.687 against
     0.695 ms, the sweep in logs/bench-h100-6bd8ada.json), level on random weights. head (on, so that a token's
     logits do not depend on its pass): its speed against cuBLAS is unmeasured; its argmax (head_argmax) saves the
-    torch argmax and copy."""
+    torch argmax and copy. early_weights (since 3dbfcea) reads each matmul program's first weight tiles before the
+    PDL wait, into registers, where the L2 prefetch above read them into L2 (and at the 8B shape thrashed it)."""
     bk_max: int = 256  # reduction tile: K rounded up to a power of 2, at most this
     slots: int = 128  # attention: cache slots a step
     warps: int = 4
@@ -97,8 +98,9 @@ class Tuning:
     # SmolLM2's ~180 dependent kernels a step: 12% of its one-token step on an H100); the arithmetic is unchanged
     pdl: bool = True
     # with pdl: the matmul kernels load their first weight tiles before waiting for the kernel before (weights
-    # are never written), so that read overlaps it; off until timed
-    early_weights: bool = False
+    # are never written), so that read overlaps it. Real SmolLM2 on an H100: one-token step 0.677 against 0.697 ms,
+    # 8-token 0.724 against 0.752 (logs/bench-early-h100-3dbfcea.json); the 8B shape not yet timed with it
+    early_weights: bool = True
 
     def __post_init__(self):
         for name in ("bk_max", "slots"):

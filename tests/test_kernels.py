@@ -61,7 +61,7 @@ TUNINGS = {"default": kernels.Tuning(), "unsplit": kernels.Tuning(split=0),
            "split16": kernels.Tuning(split=16, slots=16), "split32": kernels.Tuning(split=32),
            "ksplit3-merge-last": kernels.Tuning(bk_max=16, ksplit=3, split=16, slots=16, merge_last=True),
            "before-2026-12-06": kernels.Tuning(split=128, pairs=16, ksplit=1, pdl=False),
-           "early-weights-small-tiles": kernels.Tuning(bk_max=16, early_weights=True)}
+           "early-weights-small-tiles": kernels.Tuning(bk_max=16)}
 
 
 def nvidia_compiler() -> bool:
@@ -96,17 +96,17 @@ def test_the_kernels_compile_for_an_h200(shape, dtypes, tmp_path):
     chunk program (their atomics and L2 reads). A loop-carried value whose dtype changes passes the
     interpreter and fails here."""
     run, report = compile_check(tmp_path, "--shape", shape, "--dtypes", dtypes, "--variants",
-                                "triton_default,triton_default_early,triton,triton_ksplit4,triton_merge_last,triton_pdl")
+                                "triton_default,triton_default_late,triton,triton_ksplit4,triton_merge_last,triton_pdl")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert report["failed"] == 0 and report["launches_compiled"] >= 8
     # every layer and head kernel waits on the one before (not the greedy head as torch.compile traces it: PDL off there)
-    pdl = [r for r in report["results"] if r["variant"] in ("triton_pdl", "triton_default", "triton_default_early")
+    pdl = [r for r in report["results"] if r["variant"] in ("triton_pdl", "triton_default", "triton_default_late")
            and r["kernel"] != "_move_slots"
            and r["constexprs"].get("LAST") is not False and r["kernel"] != "_argmax_reduce"]
     assert pdl and all(r["griddepcontrol"] for r in pdl)
-    # nothing is read before the wait, but with Tuning.early_weights the matmuls' first weight tiles
-    assert all(r["loads_before_wait"] == 0 for r in pdl if r["variant"] != "triton_default_early")
-    early = [r for r in pdl if r["variant"] == "triton_default_early"]
+    # nothing is read before the wait, but with Tuning.early_weights (the default's) the matmuls' first weight tiles
+    assert all(r["loads_before_wait"] == 0 for r in pdl if r["variant"] != "triton_default")
+    early = [r for r in pdl if r["variant"] == "triton_default"]
     assert all((r["loads_before_wait"] > 0) == (r["kernel"] in ("_qkv_rope_cache", "_linear", "_gate_up", "_head_argmax"))
                for r in early) and {r["kernel"] for r in early} >= {"_qkv_rope_cache", "_linear", "_gate_up"}
     assert {"_qkv_rope_cache", "_attention_part", "_attention_merge", "_linear", "_gate_up", "_rmsnorm", "_move_slots",
@@ -118,8 +118,10 @@ def test_the_kernels_compile_for_an_h200(shape, dtypes, tmp_path):
 def test_the_compile_check_refuses_a_tuning_the_gpu_refused(tmp_path):
     """The check compiles as the JIT does on a GPU (aligned pointers and multiples of 16 specialized, so the
     loops pipeline through shared memory): Tuning(bk_max=1024) at the 8B shape needs more shared memory than
-    an SM has, which the H200 reported (OutOfResources(233472, 232448) for the qkv kernel at 8114dc5)."""
-    run, report = compile_check(tmp_path, "--shape", "llama8b", "--dtypes", "bfloat16", "--rows", "1", "--tuning", "bk_max=1024")
+    an SM has, which the H200 reported (OutOfResources(233472, 232448) for the qkv kernel at 8114dc5, whose loops
+    read every weight tile after the wait, as early_weights=0 does)."""
+    run, report = compile_check(tmp_path, "--shape", "llama8b", "--dtypes", "bfloat16", "--rows", "1", "--tuning",
+                                "bk_max=1024;early_weights=0")
     assert run.returncode == 1, run.stdout[-3000:] + run.stderr[-3000:]
     failed = {r["kernel"]: r for r in report["results"] if not r["ok"]}
     assert "_qkv_rope_cache" in failed and failed["_qkv_rope_cache"]["shared_bytes"] > 232448
@@ -204,7 +206,7 @@ ON_THIS_HOST = [pytest.param("cpu", marks=pytest.mark.skipif(torch.cuda.is_avail
 # the default (PDL on CUDA); K split into parts with the merge by the last chunk program (tiles small enough to split); no PDL
 BITS_TUNINGS = {"default": kernels.Tuning(), "ksplit2-merge-last": kernels.Tuning(bk_max=32, ksplit=2, split=16, merge_last=True),
                 "no-pdl": kernels.Tuning(pdl=False),
-                "early-weights": kernels.Tuning(early_weights=True)}  # pdl (the default's): a launch option on CUDA, ignored by the interpreter
+                "weights-after-the-wait": kernels.Tuning(early_weights=False)}  # pdl (the default's): a launch option on CUDA, ignored by the interpreter
 
 
 @pytest.mark.parametrize("tuning", BITS_TUNINGS.values(), ids=BITS_TUNINGS.keys())
