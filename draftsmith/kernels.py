@@ -98,8 +98,9 @@ class Tuning:
     # SmolLM2's ~180 dependent kernels a step: 12% of its one-token step on an H100); the arithmetic is unchanged
     pdl: bool = True
     # with pdl: the matmul kernels load their first weight tiles before waiting for the kernel before (weights
-    # are never written), so that read overlaps it. Real SmolLM2 on an H100: one-token step 0.677 against 0.697 ms,
-    # 8-token 0.724 against 0.752 (logs/bench-early-h100-3dbfcea.json); the 8B shape not yet timed with it
+    # are never written), so that read overlaps it. The arithmetic is the same either way. Real SmolLM2 on an H100:
+    # one-token step 0.677 against 0.697 ms, 8-token 0.724 against 0.752 (logs/bench-early-h100-3dbfcea.json); the
+    # 8B shape: one-token 5.57 against 5.64 ms, but 8-token 6.89 against 6.53 (logs/engine-8b-early-h100-21ee8c9.json)
     early_weights: bool = True
 
     def __post_init__(self):
