@@ -14,7 +14,9 @@
 # usage: bash benchmarks/decode_session.sh OUT GGUF DATA
 set -uo pipefail
 out=${1:?usage: decode_session.sh OUT GGUF DATA} gguf=${2:?GGUF} data=${3:?DATA}
-cd "$(dirname "$0")/.."
+# run from a copy: a later device call re-copies the working tree under a running job (a missing module mid-import)
+work=/tmp/decode-session-tree
+rm -rf "$work" && cp -r "$(cd "$(dirname "$0")/.." && pwd)" "$work" && cd "$work" || exit 1
 mkdir -p "$out"
 step() {  # step NAME SECONDS CMD...
   local name=$1 limit=$2 t0
