@@ -18,15 +18,7 @@ out=${1:?usage: decode_session.sh OUT GGUF DATA} gguf=${2:?GGUF} data=${3:?DATA}
 work=/tmp/decode-session-tree
 rm -rf "$work" && cp -r "$(cd "$(dirname "$0")/.." && pwd)" "$work" && cd "$work" || exit 1
 mkdir -p "$out"
-step() {  # step NAME SECONDS CMD...
-  local name=$1 limit=$2 t0
-  shift 2
-  t0=$(date +%s)
-  echo "== $name: $*" | tee -a "$out/steps.txt"
-  timeout "$limit" "$@"
-  echo "== $name: rc $? after $(( $(date +%s) - t0 )) s" | tee -a "$out/steps.txt"
-}
-echo "commit ${DRAFTSMITH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)} $(date -u +%FT%TZ)" >"$out/steps.txt"
+source benchmarks/session_steps.sh  # step NAME SECONDS CMD...; OUT/steps.txt
 step engine "${ENGINE_LIMIT:-300}" python3 benchmarks/h200_run.py engine --sections "${SECTIONS:-llama8b_shape}" \
   --variants "${ENGINE_VARIANTS:-triton_default,triton_sweep}" --rows "${ROWS:-1,8}" \
   --sweep "${SWEEP_8B:-bk_max=256;slots=128;warps=2,4}" --out "$out/engine8b"

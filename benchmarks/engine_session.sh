@@ -24,15 +24,7 @@ variants=${2:-compiled,triton,triton_pdl,triton_ksplit2,triton_pdl_ksplit2,trito
 sweep=${3:-"bk_max=256;pairs=16,32;split=64,256;ksplit=1,4;pdl=0,1"}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
-step() {  # step NAME SECONDS CMD...: runs CMD, records its exit status and wall time in OUT/steps.txt
-  local name=$1 limit=$2 t0
-  shift 2
-  t0=$(date +%s)
-  echo "== $name: $*" | tee -a "$out/steps.txt"
-  timeout "$limit" "$@"
-  echo "== $name: rc $? after $(( $(date +%s) - t0 )) s" | tee -a "$out/steps.txt"
-}
-echo "commit ${DRAFTSMITH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)} $(date -u +%FT%TZ)" >"$out/steps.txt"
+source benchmarks/session_steps.sh  # step NAME SECONDS CMD...; OUT/steps.txt
 if [ -n "${QUICK_ENGINES:-}" ]; then
   # QUICK_ENGINES="triton triton_pdl" (with BENCH_GGUF): the GPU tests whose names match QUICK_TESTS (a pytest -k
   # expression; none when unset), then the real-model bench (shipped drafter, T=0 (BENCH_T1=1 adds T=1), no HF, no 8B) on each engine, with
