@@ -109,6 +109,30 @@ def test_the_device_jobs_default_sweep_and_variants_are_ones_the_scripts_take():
         h200.parse_sweep("bk_max=256;no_such_field=1")
 
 
+def test_decode_sessions_defaults_are_variants_and_sweeps_the_scripts_take():
+    """decode_session.sh's default engine and bench variants are ones h200_run.py knows, and its two sweeps
+    parse into kernels.Tuning fields whose every combination is a Tuning (a field removed from Tuning, as
+    gate_ksplit was, fails here rather than on the device)."""
+    import importlib.util
+    import itertools
+    import re
+    from pathlib import Path
+
+    from draftsmith.kernels import Tuning
+
+    root = Path(__file__).parents[1]
+    spec = importlib.util.spec_from_file_location("h200_run", root / "benchmarks" / "h200_run.py")
+    h200 = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(h200)
+    script = (root / "benchmarks" / "decode_session.sh").read_text()
+    for name in ("ENGINE_VARIANTS", "BENCH_VARIANTS"):
+        variants = re.search(rf"\$\{{{name}:-([^}}]+)\}}", script).group(1).split(",")
+        assert all(v in h200.ENGINE_VARIANTS or v in h200.TRITON_VARIANTS for v in variants), (name, variants)
+    for name in ("SWEEP_8B", "SWEEP_SMOLLM2"):
+        grid = h200.parse_sweep(re.search(rf"\$\{{{name}:-([^}}]+)\}}", script).group(1))
+        assert len([Tuning(**dict(zip(grid, values))) for values in itertools.product(*grid.values())]) >= 2, name
+
+
 def test_the_device_job_benches_the_fastest_engine_variant_that_matches_the_plain_model(tmp_path):
     """engine_session.sh picks the bench's engines from its engine.json: the SmolLM2 shape's fastest Triton
     variant (the bench's --engine takes no other) and the 8B shape's fastest of any, skipping a faster one
