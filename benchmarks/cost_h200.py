@@ -30,10 +30,14 @@ RUNS = {  # engine -> bench log (the shipped drafter, all 80 MT-bench first turn
     "triton_pdl, device-resident chain (50882f9)": LOGS / "bench-full-h200-50882f9.json",
     "default tuning, device-resident chain (50882f9)": LOGS / "bench-k4-h200-50882f9.json",
 }
-RUNS_H100 = {  # the same bench on one H100, one machine for all three (the shipped run-11 cut)
+RUNS_H100 = {  # the same bench on H100s (the shipped run-11 cut): 333a911's two on one machine
     # the chain on the device-resident cycle (decode.verify_chain)
     "triton, device-resident chain (333a911)": LOGS / "h100-bench-triton-333a911.json",
     "triton_pdl, device-resident chain (333a911)": LOGS / "h100-bench-triton_pdl-333a911.json",
+    # another H100 each: the greedy head and fewer kernels a step (the default tuning, 32-slot chunks by the sweep),
+    # then the weights read before the PDL wait (the default since)
+    "fewer kernels a step, split 32 (6bd8ada)": LOGS / "bench-h100-6bd8ada.json",
+    "early weights, the default tuning (3dbfcea)": LOGS / "bench-early-h100-3dbfcea.json",
 }
 STEPS = {"chain5": 5, "tree": 6, "tree_4x5x15": 5}  # drafter steps a cycle: 5 drafts; the trees' depths (8x6x48, 4x5x15)
 TARGETS = {"chain5": 3.5, "tree": 5.0, "tree_4x5x15": 5.0}  # issue 4's accept lengths
