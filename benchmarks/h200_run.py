@@ -188,7 +188,6 @@ def bench_smollm(a, res):
     optimize_for(model, a.engine if a.device.startswith("cuda") else "fused")
     if hasattr(model, "tuning_sweep"):  # --engine triton_sweep: the table it chose from, on these weights
         res["engine_sweep"] = model.__dict__.pop("tuning_sweep")
-        model.max_len = 0  # its caches had 1,024 slots: sized to need below, as for any engine
     if a.drafter:  # an exported drafter carried in (SGLang folder), e.g. an earlier run's
         from draftsmith.export import load_any
         drafter = load_any(a.drafter, model.embed_tokens.weight.detach().float().cpu())
@@ -213,7 +212,7 @@ def bench_smollm(a, res):
     need = max(x.shape[1] for x in ids) + a.max_new_bench + max(max(t.num_draft_tokens, t.steps * t.topk, 5)
                                                                 for t in (tree, *other_trees.values())) + 2
     slots = min(-(-need // 128) * 128, model.args.max_position_embeddings)
-    model.setup_caches(1, slots)
+    model.setup_caches(1, slots, exact=True)  # not the 1,024 slots a --engine triton_sweep left
     drafter.setup_caches(1, slots)
     graphs = Graphs(a.device.startswith("cuda"))
     t = time.perf_counter()
@@ -372,8 +371,8 @@ def kernel_profile(run, top_n: int = 40) -> dict:
 
 # Triton engine variants: kernels.Tuning fields each sets over BASE, the Tuning default until 2026-12-06, so that
 # a name means what it meant in the logs; triton_default is kernels.Tuning() itself (triton_pdl_ksplit4_pairs32_split64
-# from 6e62d1b, with Tuning.early_weights since 3dbfcea; triton_default_late is it without). kernels.py is imported only when one is used: its kernels read
-# TRITON_INTERPRET when defined, which tests set before importing it
+# from 6e62d1b, with Tuning.early_weights since 3dbfcea; triton_default_late is it without). kernels.py is imported
+# only when one is used: its kernels read TRITON_INTERPRET when defined, which tests set before importing it
 BASE = {"split": 128, "pairs": 16, "ksplit": 1, "pdl": False, "early_weights": False}
 TRITON_VARIANTS = {name: {**BASE, **fields} for name, fields in {
     "triton": {}, "triton_torch_commit": {"move_slots": False}, "triton_unsplit": {"split": 0},

@@ -377,14 +377,15 @@ class Transformer(nn.Module):
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def setup_caches(self, batch: int, max_len: int):
-        """Static KV caches of at least `max_len` slots. Caches that are already large enough are
-        kept, so CUDA graphs captured over them stay valid from one prompt to the next."""
+    def setup_caches(self, batch: int, max_len: int, exact: bool = False):
+        """Static KV caches of at least `max_len` slots (exactly, with `exact`). Caches that are already
+        large enough are kept, so CUDA graphs captured over them stay valid from one prompt to the next."""
         if max_len > self.args.max_position_embeddings:
             raise ValueError(f"max_len {max_len} exceeds the target's max_position_embeddings {self.args.max_position_embeddings}")
         p = self.embed_tokens.weight
         cache = self.layers[0].self_attn.kv_cache
-        if cache is not None and cache.k.shape[0] == batch and self.max_len >= max_len and cache.k.dtype == p.dtype:
+        enough = self.max_len == max_len if exact else self.max_len >= max_len
+        if cache is not None and cache.k.shape[0] == batch and enough and cache.k.dtype == p.dtype:
             self.rotary.cast_to(p.dtype)  # again if a move (Rotary._apply) dropped them
             return
         for layer in self.layers:

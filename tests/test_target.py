@@ -179,3 +179,16 @@ def test_a_bf16_model_keeps_its_rotary_tables_cast_and_its_slots_for_the_mask():
     assert not model.rotary.cast
     model.to(torch.bfloat16).setup_caches(1, 64)
     assert set(model.rotary.cast) == {torch.bfloat16}
+
+
+def test_caches_large_enough_are_kept_unless_asked_for_exactly():
+    """setup_caches keeps caches of more slots (graphs captured over them stay valid); exact=True sizes them
+    to what is asked (the bench after a tuning sweep's 1,024-slot caches), slots for the mask with them."""
+    model = native_from_hf(make_hf_model())
+    model.setup_caches(1, 64)
+    kept = model.layers[0].self_attn.kv_cache
+    model.setup_caches(1, 32)
+    assert model.layers[0].self_attn.kv_cache is kept and model.max_len == 64
+    model.setup_caches(1, 32, exact=True)
+    assert model.max_len == 32 and model.layers[0].self_attn.kv_cache.k.shape[2] == 32 and len(model.slots) == 32
+    assert model.layers[0].self_attn.kv_cache is not kept
