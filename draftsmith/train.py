@@ -559,10 +559,11 @@ class Scalars:
 
 
 def build_drafter(cfg: TrainConfig, target, data, train_idx: list[int], aux: tuple[int, ...], device: str | None = None):
+    """(drafter, its draft vocab's share of the training tokens, the training tokens' counts per target id)."""
     args = target.model.args
     counts = count_tokens((data[i] for i in train_idx), args.vocab_size)
     if cfg.init:
-        return init_drafter(cfg.init, target, aux, counts, device or cfg.device)
+        return (*init_drafter(cfg.init, target, aux, counts, device or cfg.device), counts)
     vocab = build_vocab(counts, min(cfg.draft_vocab_size, args.vocab_size))
     torch.manual_seed(cfg.seed)
     dcfg = DraftConfig.from_target(args, len(vocab.d2t), aux)
@@ -571,7 +572,7 @@ def build_drafter(cfg: TrainConfig, target, data, train_idx: list[int], aux: tup
     drafter.embed_tokens.weight.data.copy_(target.model.embed_tokens.weight)
     if cfg.init_head_from_target:
         drafter.init_from_target(target.model)
-    return drafter.to(device or cfg.device), vocab.coverage
+    return drafter.to(device or cfg.device), vocab.coverage, counts
 
 
 def init_drafter(path: str, target, aux: tuple[int, ...], counts: torch.Tensor, device: str):
@@ -641,7 +642,7 @@ def train(config: TrainConfig, world: World) -> TrainResult:
     data, aux, featurize = load_data(config, target)
     train_idx, eval_idx = split(data.ids, config.eval_fraction, config.seed)
     extra = load_eval_data(config, target, aux)
-    drafter, coverage = build_drafter(config, target, data, train_idx, aux, device)
+    drafter, coverage, counts = build_drafter(config, target, data, train_idx, aux, device)
     head = target.model.lm_head.weight[drafter.to_target(torch.arange(drafter.cfg.draft_vocab_size, device=device))].detach()
     ckpt = out / "checkpoint"
     resuming = (ckpt / "state.pt").exists()
@@ -721,7 +722,8 @@ def train(config: TrainConfig, world: World) -> TrainResult:
     tb.close()
     plain = unsharded(drafter, config, world)
     if world.main:
-        save_trained(plain.eval(), out / "drafter", {"path": target.path, "spec": config.target, "hf_config": target.hf_config})
+        save_trained(plain.eval(), out / "drafter", {"path": target.path, "spec": config.target, "hf_config": target.hf_config},
+                     counts)
         (out / "eval.json").write_text(json.dumps(final, indent=2))
     barrier(world)
     return TrainResult(str(out), state["step"], time.perf_counter() - t0, final, coverage, loop_seconds)

@@ -16,7 +16,7 @@ def drafter_and_head(tiny_target_dir, tiny_hidden, vocab: int = 128, depth: int 
     target = load_target(str(tiny_target_dir))
     data = HiddenStates(tiny_hidden)
     cfg = TrainConfig(target=str(tiny_target_dir), data=str(tiny_hidden), out="unused", draft_vocab_size=vocab, ttt_depth=depth)
-    drafter, _ = build_drafter(cfg, target, data, list(range(len(data))), (0, 1, 2))
+    drafter, _, _ = build_drafter(cfg, target, data, list(range(len(data))), (0, 1, 2))
     return drafter, target.model.lm_head.weight[drafter.to_target(torch.arange(vocab))].detach(), data
 
 
@@ -341,3 +341,35 @@ def test_flex_attention_on_the_cpu_is_refused_up_front(impl):
     with pytest.raises(ValueError, match="needs CUDA.*--attn-impl auto or eager"):
         TrainConfig(target="t", data="d", out="o", attn_impl=impl)
     assert TrainConfig(target="t", data="d", out="o", attn_impl=impl, device="cuda").attn_impl == impl
+
+
+def test_an_export_can_cut_the_draft_vocab_to_the_most_frequent_training_tokens(tiny_target_dir, tiny_hidden, tmp_path):
+    """Training keeps the answers' token counts beside the drafter (its draft vocab is their top draft_vocab_size);
+    export --draft-vocab N cuts to the N most frequent of them, logits unchanged over the kept tokens."""
+    from draftsmith.export import TOKEN_COUNTS, ExportConfig, ExportError, load_any, load_trained
+    from draftsmith.export import run as export
+    from draftsmith.vocab import build_vocab
+
+    run(TrainConfig(target=str(tiny_target_dir), data=str(tiny_hidden), out=str(tmp_path / "t"), draft_vocab_size=128,
+                    ttt_depth=2, batch_tokens=128, eval_fraction=0.2, max_steps=2))
+    folder = tmp_path / "t" / "drafter"
+    drafter, _ = load_trained(folder)
+    counts = load_file(str(folder / TOKEN_COUNTS))["counts"]
+    assert counts.shape == (drafter.cfg.vocab_size,) and torch.equal(build_vocab(counts, 128).d2t, drafter.d2t)
+
+    export(ExportConfig(checkpoint=str(folder), out=str(tmp_path / "cut"), dtype="float32", draft_vocab=48))
+    assert json.loads((tmp_path / "cut" / "config.json").read_text())["draft_vocab_size"] == 48
+    back = load_any(str(tmp_path / "cut"), drafter.embed_tokens.weight.detach())
+    want = drafter.shrink_vocab(counts, 48)
+    assert torch.equal(back.to_target(torch.arange(48)), want.to_target(torch.arange(48)))
+    torch.manual_seed(0)
+    ids = torch.randint(0, drafter.cfg.vocab_size, (1, 10))
+    aux = torch.randn(1, 10, 3 * drafter.cfg.target_hidden_size)
+    with torch.no_grad():
+        assert all(torch.equal(want.logits(w), back.logits(g)) for w, g in zip(want.ttt(ids, aux, depth=2), back.ttt(ids, aux, depth=2)))
+
+    with pytest.raises(ExportError, match="trained with 128 draft tokens"):
+        export(ExportConfig(checkpoint=str(folder), out=str(tmp_path / "big"), draft_vocab=256))
+    (folder / TOKEN_COUNTS).unlink()
+    with pytest.raises(ExportError, match="no token_counts.safetensors"):
+        export(ExportConfig(checkpoint=str(folder), out=str(tmp_path / "old"), draft_vocab=48))
