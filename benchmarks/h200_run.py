@@ -149,11 +149,18 @@ def phase_train(a):
     res.update(train_s=round(time.perf_counter() - t2, 1), train_steps=tr.steps, train_loop_s=round(tr.loop_seconds, 1),
                finished=tr.steps >= steps, heldout=tr.eval, vocab_coverage=tr.vocab_coverage)
     ex = export.run(export.ExportConfig(checkpoint=str(RUN / f"train{a.tag}" / "drafter"), out=str(RUN / "sglang")))
+    exports = {"": RUN / "sglang"}
+    if a.export_vocab:  # the drafter the bench runs and a deployment would serve: its draft vocab cut (export --draft-vocab)
+        export.run(export.ExportConfig(checkpoint=str(RUN / f"train{a.tag}" / "drafter"), out=str(RUN / "sglang-cut"),
+                                       draft_vocab=a.export_vocab))
+        exports["cut-"] = RUN / "sglang-cut"
+        res.update(export_vocab=a.export_vocab)
     if "drafter" in a.bring_back:
-        blob = (RUN / "sglang" / "model.safetensors").read_bytes()
-        for i in range(0, len(blob), 15 << 20):  # result files come back at most 16 MiB each
-            (out / f"model.safetensors.part{i // (15 << 20)}").write_bytes(blob[i : i + (15 << 20)])
-        (out / "config.json").write_text((RUN / "sglang" / "config.json").read_text())
+        for prefix, folder in exports.items():
+            blob = (folder / "model.safetensors").read_bytes()
+            for i in range(0, len(blob), 15 << 20):  # result files come back at most 16 MiB each
+                (out / f"{prefix}model.safetensors.part{i // (15 << 20)}").write_bytes(blob[i : i + (15 << 20)])
+            (out / f"{prefix}config.json").write_text((folder / "config.json").read_text())
     if "metrics" in a.bring_back:
         metrics = RUN / f"train{a.tag}" / "metrics.jsonl"
         (out / "metrics.jsonl.gz").write_bytes(gzip.compress(metrics.read_bytes()))
@@ -188,9 +195,14 @@ def bench_smollm(a, res):
     optimize_for(model, a.engine if a.device.startswith("cuda") else "fused")
     if hasattr(model, "tuning_sweep"):  # --engine triton_sweep: the table it chose from, on these weights
         res["engine_sweep"] = model.__dict__.pop("tuning_sweep")
+    from draftsmith.export import load_any
     if a.drafter:  # an exported drafter carried in (SGLang folder), e.g. an earlier run's
-        from draftsmith.export import load_any
         drafter = load_any(a.drafter, model.embed_tokens.weight.detach().float().cpu())
+    elif a.export_vocab:  # this run's drafter as exported with its draft vocab cut (phase_train)
+        if not (RUN / "sglang-cut").exists():
+            raise SystemExit(f"bench --export-vocab {a.export_vocab}: no {RUN / 'sglang-cut'} (the train phase ran with "
+                             "--export-vocab 0): bench with --export-vocab 0, or pass --drafter")
+        drafter = load_any(RUN / "sglang-cut", model.embed_tokens.weight.detach().float().cpu())
     else:
         drafter, _ = load_trained(RUN / f"train{a.tag}" / "drafter")
     drafter = drafter.to(a.device, dt).eval()  # Rotary keeps its fp32 tables
@@ -225,7 +237,8 @@ def bench_smollm(a, res):
         for spec in other_trees.values():
             decode_tree(model, drafter, x, 32, spec, target.eos_ids, graphs)
     warm_prompt_shapes(model, ids, target.eos_ids, graphs)
-    sm = {"prompts": len(ids), "max_new_tokens": a.max_new_bench, "cache_slots": model.max_len, "warmup_s": round(time.perf_counter() - t, 1)}
+    sm = {"prompts": len(ids), "max_new_tokens": a.max_new_bench, "cache_slots": model.max_len, "warmup_s": round(time.perf_counter() - t, 1),
+          "drafter_vocab": drafter.cfg.draft_vocab_size}
     res["smollm2"] = sm
     runs = {"plain": [], "chain5": [], "tree": [], **({"chain5_device": []} if a.chain_device else {}), **{n: [] for n in other_trees}}
     if plain_drafter is not None:
@@ -825,6 +838,9 @@ def main():
     ap.add_argument("--compile-loss", action=argparse.BooleanOptionalAction, default=None, help="train: compiled KL (default: on CUDA)")
     ap.add_argument("--ttt-rows", type=int, default=1, help="rows of 2048 tokens in the 8B-shape training step")
     ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--export-vocab", type=int, default=8192, help="train: also export the drafter with its draft vocab cut"
+                    " to this many tokens (export --draft-vocab), which the bench of this run's drafter then runs; 0: bench"
+                    " the trained vocab (runs 1-12 did)")
     ap.add_argument("--draft-intermediate", type=int, help="train: the drafter's MLP width (default: the target's)")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--batch-tokens", type=int, default=2048)
