@@ -58,6 +58,19 @@ def probe_step_s(cfg: dict, name: str, steps: int = 60) -> float:
     return statistics.fmean(s for s in tail if s <= 3 * med)
 
 
+# --self-prompt-topics tasks: generic kinds of request, one a self-prompt try in turn (generate.TOPIC_SYSTEM). They
+# span MT-bench's and Spec-Bench's categories by name (writing, role-play, reasoning, math, coding, extraction, STEM,
+# humanities; summarization, translation, questions); no evaluation prompt is used (generate still excludes them)
+TASK_TOPICS = ("creative writing", "a role-play", "a reasoning puzzle", "a math problem", "programming",
+               "extracting information from a text", "a science or engineering question", "history, philosophy or the arts",
+               "summarizing a text", "translating a text", "everyday advice", "a task at work")
+
+
+def self_prompt_topics(text: str) -> tuple[str, ...]:
+    """--self-prompt-topics: "" (none: the template's own system prompt), "tasks" (TASK_TOPICS) or topics, comma-separated."""
+    return TASK_TOPICS if text == "tasks" else tuple(t.strip() for t in text.split(",") if t.strip())
+
+
 def phase_train(a):
     t0 = time.perf_counter()
     data = Path(a.data)
@@ -94,10 +107,10 @@ def phase_train(a):
 
     if not a.answers or a.resume_generation or a.self_prompts:  # generate resumes: only prompts not answered yet
         g = answer(prompts, answers.parent, exclude=evals, max_new_tokens=a.max_new, max_seconds=a.gen_seconds,
-                   self_prompts=a.self_prompts)
+                   self_prompts=a.self_prompts, self_prompt_topics=self_prompt_topics(a.self_prompt_topics))
         res.update(prompts=g.total, tokens_generated=g.tokens, generate_s=round(g.seconds, 1), skipped_long=g.skipped_long)
         if a.self_prompts:  # the target's own prompts (generate.SELF_PROMPTS), answered with the rest
-            res.update(self_prompts=g.self_prompts)
+            res.update(self_prompts=g.self_prompts, self_prompt_topics=list(self_prompt_topics(a.self_prompt_topics)))
         if "answers" in a.bring_back:  # back at once: a later failure keeps them
             (out / "answers.jsonl.gz").write_bytes(gzip.compress(Path(g.path).read_bytes()))
     train_data = g.path
@@ -824,6 +837,8 @@ def main():
     ap.add_argument("--extra-sources", default="sharegpt,ultrachat,self_instruct,alpaca", help="prompt file name prefixes")
     ap.add_argument("--self-prompts", type=int, default=12000, help="train: the target also writes this many prompts itself"
                     " (generate --self-prompts), answered greedily with the rest")
+    ap.add_argument("--self-prompt-topics", default="", help="train: steer the self-written prompts, a topic a try in turn:"
+                    " 'tasks' (TASK_TOPICS) or topics, comma-separated; '': unsteered (runs 9-12)")
     ap.add_argument("--answers", help="answers.jsonl.gz of an earlier run (or answers.jsonl on this machine): skip generation")
     ap.add_argument("--resume-generation", action="store_true", help="with --answers: answer the prompts it lacks")
     ap.add_argument("--train-steps", type=int, help="schedule steps (skips the timing probe)")

@@ -218,11 +218,12 @@ def encode_conversation(tokenizer, messages: list[dict]) -> Encoded:
     return Encoded(input_ids=list(enc["input_ids"]), loss_mask=mask)
 
 
-def user_header_ids(tokenizer) -> list[int]:
+def user_header_ids(tokenizer, system: str | None = None) -> list[int]:
     """Chat-templated ids up to where a user's first message begins (system prompt and user header
-    included): from here a chat model writes a user turn itself (generate --self-prompts)."""
+    included): from here a chat model writes a user turn itself (generate --self-prompts). `system`
+    replaces the template's own system prompt (generate --self-prompt-topics)."""
     mark = "\x00user text\x00"
-    text = _render(tokenizer, [{"role": "user", "content": mark}])
+    text = _render(tokenizer, [*([{"role": "system", "content": system}] if system else []), {"role": "user", "content": mark}])
     if text.count(mark) != 1:
         raise ValueError("the chat template does not render a user message verbatim, so the target cannot be asked to "
                          "write user turns itself; drop --self-prompts for this target")

@@ -31,6 +31,7 @@ from draftsmith.target import load_target, load_tokenizer
 
 ANSWERS = "answers.jsonl"
 SELF_PROMPTS = "self_prompts.jsonl"
+TOPIC_SYSTEM = "The user asks for help with {}."  # --self-prompt-topics: SmolLM2-135M then writes such requests
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,8 @@ class GenerateConfig:
     self_prompts: int = 0  # also this many user prompts written by the target itself, answered too
     self_prompt_temperature: float = 1.0
     self_prompt_max_tokens: int = 128  # a self-written prompt that has not ended its turn by then is dropped
+    self_prompt_topics: tuple[str, ...] = ()  # steer the self-written prompts: try i is written under the system
+    # message TOPIC_SYSTEM with topic i mod len (recorded with the prompt); none: the template's own system prompt
 
     def __post_init__(self):
         if not self.prompts:
@@ -139,15 +142,15 @@ def ask_server(cfg: GenerateConfig, p: Prompt) -> tuple[str, int, int, str]:
             "stop" if choice.get("finish_reason") == "stop" else "length")
 
 
-def user_turns(config: GenerateConfig, target, tok, header: list[int], rows: int, first_try: int) -> tuple[list, int]:
-    """`rows` user turns the target writes from the chat template's user header (None where it did not
-    end the turn within self_prompt_max_tokens), and the tokens that took. Try k draws with seed
+def user_turns(config: GenerateConfig, target, tok, headers: list[list[int]], first_try: int) -> tuple[list, int]:
+    """The user turns the target writes from the chat template's user headers, one a row (None where it did
+    not end the turn within self_prompt_max_tokens), and the tokens that took. Try k draws with seed
     (seed, first_try + k): locally as one batch, from a server as text completions of the header's ids
     (token ids, so the server adds no second BOS), which stop at the model's own end of turn."""
     seed = config.seed * 1_000_003 + first_try
     if config.server:
         texts, tokens = [], 0
-        for k in range(rows):
+        for k, header in enumerate(headers):
             reply = post(config, "/completions", {
                 "model": config.model_name, "prompt": header, "max_tokens": config.self_prompt_max_tokens,
                 "temperature": config.self_prompt_temperature, "top_p": config.top_p, "seed": seed + k})
@@ -155,7 +158,7 @@ def user_turns(config: GenerateConfig, target, tok, header: list[int], rows: int
             texts.append(choice["text"] if choice.get("finish_reason") == "stop" else None)
             tokens += reply.get("usage", {}).get("completion_tokens", 0)
         return texts, tokens
-    outs = generate_batch(target.model, [header] * rows, config.self_prompt_max_tokens, target.eos_ids,
+    outs = generate_batch(target.model, headers, config.self_prompt_max_tokens, target.eos_ids,
                           config.self_prompt_temperature, config.top_p, torch.Generator(config.device).manual_seed(seed))
     texts = [tok.decode(ids[:-1], skip_special_tokens=True) if ids and ids[-1] in target.eos_ids else None for ids in outs]
     return texts, sum(len(ids) for ids in outs)
@@ -164,25 +167,27 @@ def user_turns(config: GenerateConfig, target, tok, header: list[int], rows: int
 def write_self_prompts(config: GenerateConfig, target, tok, path: Path) -> int:
     """Have the target write user prompts until `path` holds config.self_prompts of them; returns how many.
 
-    Each try samples from the chat template's user header; a try is kept if the model ends the turn
+    Each try samples from the chat template's user header (try i under topic i mod len with
+    self_prompt_topics); a try is kept if the model ends the turn
     itself (an end-of-turn token within self_prompt_max_tokens), has at least 16 characters and is
     new (not a training prompt, an excluded evaluation turn or an earlier self prompt). Kept prompts
     are appended a batch at a time with the index of their try as id; a rerun goes on from the last
     kept try with fresh draws, so nothing kept is lost or written twice.
     """
-    header = user_header_ids(tok)
+    topics = config.self_prompt_topics or (None,)
+    headers = [user_header_ids(tok, TOPIC_SYSTEM.format(t) if t else None) for t in topics]
     have = read_done(path)
     seen = excluded_turns(config.exclude) | {normalise(p.turns[0]) for p in load_prompts(config.prompts)}
     if have:
         seen |= {normalise(p.turns[0]) for p in read_prompt_file(path)}
     kept = start = len(have)
     tries = first = 1 + max((int(i) for i in have), default=-1)
-    rows = max(1, min(config.batch_size, config.max_batch_tokens // (len(header) + config.self_prompt_max_tokens)))
+    rows = max(1, min(config.batch_size, config.max_batch_tokens // (max(map(len, headers)) + config.self_prompt_max_tokens)))
     bar = Progress(config.self_prompts, "self-prompts", unit="prompt")
     bar.update(min(kept, config.self_prompts))
     with open(path, "a", encoding="utf-8") as f:
         while kept < config.self_prompts:
-            texts, n_tokens = user_turns(config, target, tok, header, rows, tries)
+            texts, n_tokens = user_turns(config, target, tok, [headers[(tries + k) % len(headers)] for k in range(rows)], tries)
             new = 0
             for k, text in enumerate(texts):
                 if kept + new >= config.self_prompts or text is None:
@@ -191,7 +196,8 @@ def write_self_prompts(config: GenerateConfig, target, tok, path: Path) -> int:
                 if len(text) < 16 or normalise(text) in seen:
                     continue
                 seen.add(normalise(text))
-                f.write(json.dumps({"id": str(tries + k), "prompt": text}) + "\n")
+                topic = topics[(tries + k) % len(topics)]
+                f.write(json.dumps({"id": str(tries + k), "prompt": text, **({"topic": topic} if topic else {})}) + "\n")
                 new += 1
             f.flush()
             kept, tries = kept + new, tries + rows

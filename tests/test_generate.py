@@ -132,6 +132,35 @@ def test_the_target_writes_its_own_prompts_each_kept_once_after_a_crash(tiny_tar
     assert generate.run(cfg).written == 0
 
 
+def test_self_written_prompts_can_be_steered_by_topic(tiny_target_dir, tmp_path, monkeypatch):
+    """--self-prompt-topics: try i is written under the system message naming topic i mod len, in place of
+    the template's own, and the kept prompt records its topic."""
+    from draftsmith.data import user_header_ids
+    from draftsmith.target import load_target
+
+    tok = load_target(str(tiny_target_dir)).tokenizer
+    topics = ("cooking", "astronomy", "tax law")
+    heads = {t: user_header_ids(tok, generate.TOPIC_SYSTEM.format(t)) for t in topics}
+    assert all(tok.decode(h).startswith(f"<|im_start|>system\nThe user asks for help with {t}.<|im_end|>") for t, h in heads.items())
+    assert len({tuple(h) for h in heads.values()} | {tuple(user_header_ids(tok))}) == 4
+    prompts = write_prompts(tmp_path / "p.jsonl", 2)
+    cfg = GenerateConfig(target=str(tiny_target_dir), prompts=(str(prompts),), out=str(tmp_path / "gen"), max_new_tokens=4,
+                         batch_size=8, self_prompts=6, self_prompt_max_tokens=48, self_prompt_topics=topics)
+    real, batches = generate.generate_batch, []
+
+    def spy(model, rows, max_new, *args):
+        if max_new == 48:  # the self-prompt tries (answers get 4 new tokens)
+            batches.append(rows)
+        return real(model, rows, max_new, *args)
+
+    monkeypatch.setattr(generate, "generate_batch", spy)
+    assert generate.run(cfg).self_prompts == 6
+    tried = [row for rows in batches for row in rows]
+    assert tried and tried == [heads[topics[i % 3]] for i in range(len(tried))]
+    kept = [json.loads(l) for l in (tmp_path / "gen" / "self_prompts.jsonl").read_text().splitlines()]
+    assert len(kept) == 6 and all(r["topic"] == topics[int(r["id"]) % 3] for r in kept)
+
+
 def test_a_target_that_never_ends_its_user_turn_gets_a_clear_error(tiny_target_dir, tmp_path, monkeypatch):
     prompts = write_prompts(tmp_path / "p.jsonl", 2)
     cfg = GenerateConfig(target=str(tiny_target_dir), prompts=(str(prompts),), out=str(tmp_path / "gen"),
