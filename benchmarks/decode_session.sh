@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 3's h200-decode.json in one detached job on the device machine (device_bg.sh start), most wanted first:
-#   1. the Llama-3.1-8B shape (random weights): the default Tuning, and a sweep around it (2 warps)
+#   1. the Llama-3.1-8B shape (random weights): the default Tuning, and a sweep around it (early weights for every
+#      pass or for one-token steps only)
 #      -> OUT/engine8b/engine.json
 #   2. once the GGUF is in place (later staging calls assemble it): h200_run.py bench, the command behind
 #      h200-decode.json, on the Triton tuning a sweep on SmolLM2's own weights finds fastest (its table in
@@ -21,7 +22,7 @@ mkdir -p "$out"
 source benchmarks/session_steps.sh  # step NAME SECONDS CMD...; OUT/steps.txt
 step engine "${ENGINE_LIMIT:-300}" python3 benchmarks/h200_run.py engine --sections "${SECTIONS:-llama8b_shape}" \
   --variants "${ENGINE_VARIANTS:-triton_default,triton_sweep}" --rows "${ROWS:-1,8}" \
-  --sweep "${SWEEP_8B:-bk_max=256;slots=128;warps=2,4}" --out "$out/engine8b"
+  --sweep "${SWEEP_8B:-bk_max=256;slots=128;early_rows=0,1}" --out "$out/engine8b"
 step wait-gguf "${GGUF_WAIT:-300}" bash -c "until [ -e '$gguf' ]; do sleep 2; done"
 step bench "${BENCH_LIMIT:-900}" python3 benchmarks/h200_run.py bench --gguf "$gguf" --data "$data" \
   --drafter draftsmith/assets/drafter --engine triton_sweep \

@@ -102,6 +102,10 @@ class Tuning:
     # one-token step 0.677 against 0.697 ms, 8-token 0.724 against 0.752 (logs/bench-early-h100-3dbfcea.json); the
     # 8B shape: one-token 5.57 against 5.64 ms, but 8-token 6.89 against 6.53 (logs/engine-8b-early-h100-21ee8c9.json)
     early_weights: bool = True
+    # with early_weights: only passes of at most this many rows read early, longer ones after the wait (0: every
+    # pass). The bits do not change (the same arithmetic), so a pass size can choose: at the 8B shape early weights
+    # made the one-token step faster and the 8-token pass slower (above); unmeasured
+    early_rows: int = 0
 
     def __post_init__(self):
         for name in ("bk_max", "slots"):
@@ -120,6 +124,8 @@ class Tuning:
             raise ValueError(f"Tuning.ksplit must be 1 (no split) to 16, got {self.ksplit}")
         if not 0 <= self.stages <= 8:
             raise ValueError(f"Tuning.stages must be 0 (Triton's default) to 8, got {self.stages}")
+        if self.early_rows < 0:
+            raise ValueError(f"Tuning.early_rows must be 0 (every pass) or a row count, got {self.early_rows}")
 
     def bk(self, k: int, itemsize: int = 2) -> int:
         return max(16, min(self.bk_max * 2 // max(itemsize, 2), triton.next_power_of_2(k)))
@@ -675,7 +681,7 @@ def layer_forward(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     cos, sin = cos.reshape(-1, D)[-T:].contiguous(), sin.reshape(-1, D)[-T:].contiguous()  # (T, D)
     rows = triton.cdiv(T, ROWS)  # row tiles
     size = x.element_size()
-    mm = _matmul_options(x, tuning)
+    mm = _matmul_options(x, tuning, T)
     bk = tuning.bk(Hd, size)
     bias = attn.qkv.bias
     q = torch.empty(T, h, D, dtype=x.dtype, device=x.device)
@@ -703,10 +709,11 @@ def _precision(x: torch.Tensor) -> str:
     return "ieee" if x.dtype == torch.float32 else "tf32"
 
 
-def _matmul_options(x: torch.Tensor, tuning: Tuning) -> dict:
-    """The matmul kernels' launch options for x's dtype (layer_forward's and the head's alike)."""
+def _matmul_options(x: torch.Tensor, tuning: Tuning, rows: int) -> dict:
+    """The matmul kernels' launch options for x's dtype and a pass of `rows` tokens (layer_forward's and the head's alike)."""
+    early = tuning.early_weights and (not tuning.early_rows or rows <= tuning.early_rows)
     return dict(BM=ROWS, PREC=_precision(x), num_warps=tuning.warps, **({"num_stages": tuning.stages} if tuning.stages else {}),
-                EARLY=tuning.early_weights, **_pdl(tuning, x))
+                EARLY=early, **_pdl(tuning, x))
 
 
 def _pdl(tuning: Tuning, like: torch.Tensor) -> dict:
@@ -755,7 +762,7 @@ def _matmul(a: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None
     parts = torch.empty(ks, T, N, dtype=torch.float32, device=a.device) if ks > 1 else _unused(a)
     count = _counters(a, grid[0] * grid[1]) if ks > 1 else _unused(a)
     _linear[grid](a, weight, _unused(a) if residual is None else residual, y, parts, count, T, K=K, N=N,
-                  BN=bn, BK=bk, RESIDUAL=residual is not None, KS=ks, KP=kp, **_matmul_options(a, tuning))
+                  BN=bn, BK=bk, RESIDUAL=residual is not None, KS=ks, KP=kp, **_matmul_options(a, tuning, T))
     return y
 
 
@@ -832,7 +839,7 @@ def head_argmax(x: torch.Tensor, weight: torch.Tensor, tuning: Tuning = Tuning()
     last = not torch.compiler.is_compiling()
     count = _counters(x, grid[1]) if last else _unused(x)
     _head_argmax[grid](x2, weight, pv, pi, out, count, T, K=K, N=N, BN=bn, BK=bk, LAST=last, CH=256,
-                       **_matmul_options(x, tuning))
+                       **_matmul_options(x, tuning, T))
     if not last:
         _argmax_reduce[(grid[1],)](pv, pi, out, T, grid[0], N=N, BM=ROWS, CH=256, num_warps=tuning.warps, **_pdl(tuning, x))
     return out.view(x.shape[:-1])

@@ -128,7 +128,7 @@ def test_the_compile_check_refuses_a_tuning_the_gpu_refused(tmp_path):
 
 
 @pytest.mark.parametrize("bad", [dict(bk_max=48), dict(slots=8), dict(warps=3), dict(cols=24), dict(stages=9), dict(pairs=24), dict(ksplit=0),
-                                 dict(split=24)])
+                                 dict(split=24), dict(early_rows=-1)])
 def test_a_tuning_the_kernels_cannot_take_is_refused_naming_the_field(bad):
     with pytest.raises(ValueError, match=f"Tuning.{next(iter(bad))} must be"):
         kernels.Tuning(**bad)
@@ -206,7 +206,8 @@ ON_THIS_HOST = [pytest.param("cpu", marks=pytest.mark.skipif(torch.cuda.is_avail
 # the default (PDL on CUDA); K split into parts with the merge by the last chunk program (tiles small enough to split); no PDL
 BITS_TUNINGS = {"default": kernels.Tuning(), "ksplit2-merge-last": kernels.Tuning(bk_max=32, ksplit=2, split=16, merge_last=True),
                 "no-pdl": kernels.Tuning(pdl=False),
-                "weights-after-the-wait": kernels.Tuning(early_weights=False)}  # pdl (the default's): a launch option on CUDA, ignored by the interpreter
+                "weights-after-the-wait": kernels.Tuning(early_weights=False),
+                "early-for-one-row": kernels.Tuning(early_rows=1)}  # pdl (the default's): a launch option on CUDA, ignored by the interpreter
 
 
 @pytest.mark.parametrize("tuning", BITS_TUNINGS.values(), ids=BITS_TUNINGS.keys())
