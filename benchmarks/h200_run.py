@@ -547,8 +547,9 @@ def engine_speed(model: Transformer, bw: float, label: str, variants=ENGINE_VARI
             v["verify8_over_step"] = round(v["step_T8_ms"] / v["step_T1_ms"], 3)
             step, tok1 = target_step(model), torch.zeros(1, 1, dtype=torch.long, device="cuda")
             v["profile_T1"] = kernel_profile(lambda: graphs(("plain", 1), step, tok1, pos))
-            wide = max(rows)  # where a tree's verify pass spends its time, kernel by kernel (attention vs matmuls)
-            if wide > 8:
+            # where a chain's 8-token verify pass (verify8_over_step) and the widest (a tree's) spend their time,
+            # kernel by kernel, beside profile_T1: which kernels an 8-token pass makes slower
+            for wide in sorted({8, max(rows)}):
                 tokw = torch.zeros(1, wide, dtype=torch.long, device="cuda")
                 v[f"profile_T{wide}"] = kernel_profile(lambda: graphs(("plain", wide), step, tokw, pos))
             v["achieved_TBs"] = round(weight_bytes / (v["step_T1_ms"] / 1e3) / 1e12, 3)
