@@ -34,7 +34,7 @@ from draftsmith.cudagraph import Graphs  # noqa: E402
 from draftsmith.data import SAMPLE_SEP, load_eval, prompt_ids  # noqa: E402
 from draftsmith.decode import TreeSpec, decode_chain, decode_plain, decode_tree, target_step  # noqa: E402
 from draftsmith.draft import DraftConfig, Eagle3Drafter  # noqa: E402
-from draftsmith.export import load_trained  # noqa: E402
+from draftsmith.export import load_any, load_trained  # noqa: E402
 from draftsmith.target import ModelArgs, Transformer, load_target  # noqa: E402
 
 RUN = Path("/tmp/run")
@@ -106,11 +106,12 @@ def phase_train(a):
             max_prompt_tokens=1024, device=a.device, dtype=a.dtype, **kw))
 
     if not a.answers or a.resume_generation or a.self_prompts:  # generate resumes: only prompts not answered yet
+        topics = self_prompt_topics(a.self_prompt_topics)
         g = answer(prompts, answers.parent, exclude=evals, max_new_tokens=a.max_new, max_seconds=a.gen_seconds,
-                   self_prompts=a.self_prompts, self_prompt_topics=self_prompt_topics(a.self_prompt_topics))
+                   self_prompts=a.self_prompts, self_prompt_topics=topics)
         res.update(prompts=g.total, tokens_generated=g.tokens, generate_s=round(g.seconds, 1), skipped_long=g.skipped_long)
         if a.self_prompts:  # the target's own prompts (generate.SELF_PROMPTS), answered with the rest
-            res.update(self_prompts=g.self_prompts, self_prompt_topics=list(self_prompt_topics(a.self_prompt_topics)))
+            res.update(self_prompts=g.self_prompts, self_prompt_topics=list(topics))
         if "answers" in a.bring_back:  # back at once: a later failure keeps them
             (out / "answers.jsonl.gz").write_bytes(gzip.compress(Path(g.path).read_bytes()))
     train_data = g.path
@@ -161,11 +162,11 @@ def phase_train(a):
         res["train_profile"] = json.loads((RUN / f"train{a.tag}" / "profile.json").read_text())
     res.update(train_s=round(time.perf_counter() - t2, 1), train_steps=tr.steps, train_loop_s=round(tr.loop_seconds, 1),
                finished=tr.steps >= steps, heldout=tr.eval, vocab_coverage=tr.vocab_coverage)
-    ex = export.run(export.ExportConfig(checkpoint=str(RUN / f"train{a.tag}" / "drafter"), out=str(RUN / "sglang")))
+    ckpt = str(RUN / f"train{a.tag}" / "drafter")
+    ex = export.run(export.ExportConfig(checkpoint=ckpt, out=str(RUN / "sglang")))
     exports = {"": RUN / "sglang"}
     if a.export_vocab:  # the drafter the bench runs and a deployment would serve: its draft vocab cut (export --draft-vocab)
-        export.run(export.ExportConfig(checkpoint=str(RUN / f"train{a.tag}" / "drafter"), out=str(RUN / "sglang-cut"),
-                                       draft_vocab=a.export_vocab))
+        export.run(export.ExportConfig(checkpoint=ckpt, out=str(RUN / "sglang-cut"), draft_vocab=a.export_vocab))
         exports["cut-"] = RUN / "sglang-cut"
         res.update(export_vocab=a.export_vocab)
     if "drafter" in a.bring_back:
@@ -208,7 +209,6 @@ def bench_smollm(a, res):
     optimize_for(model, a.engine if a.device.startswith("cuda") else "fused")
     if hasattr(model, "tuning_sweep"):  # --engine triton_sweep: the table it chose from, on these weights
         res["engine_sweep"] = model.__dict__.pop("tuning_sweep")
-    from draftsmith.export import load_any
     if a.drafter:  # an exported drafter carried in (SGLang folder), e.g. an earlier run's
         drafter = load_any(a.drafter, model.embed_tokens.weight.detach().float().cpu())
     elif a.export_vocab:  # this run's drafter as exported with its draft vocab cut (phase_train)

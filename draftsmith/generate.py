@@ -175,19 +175,20 @@ def write_self_prompts(config: GenerateConfig, target, tok, path: Path) -> int:
     kept try with fresh draws, so nothing kept is lost or written twice.
     """
     topics = config.self_prompt_topics or (None,)
-    headers = [user_header_ids(tok, TOPIC_SYSTEM.format(t) if t else None) for t in topics]
+    headers = {t: user_header_ids(tok, TOPIC_SYSTEM.format(t) if t else None) for t in topics}
     have = read_done(path)
     seen = excluded_turns(config.exclude) | {normalise(p.turns[0]) for p in load_prompts(config.prompts)}
     if have:
         seen |= {normalise(p.turns[0]) for p in read_prompt_file(path)}
     kept = start = len(have)
     tries = first = 1 + max((int(i) for i in have), default=-1)
-    rows = max(1, min(config.batch_size, config.max_batch_tokens // (max(map(len, headers)) + config.self_prompt_max_tokens)))
+    rows = max(1, min(config.batch_size, config.max_batch_tokens // (max(map(len, headers.values())) + config.self_prompt_max_tokens)))
     bar = Progress(config.self_prompts, "self-prompts", unit="prompt")
     bar.update(min(kept, config.self_prompts))
     with open(path, "a", encoding="utf-8") as f:
         while kept < config.self_prompts:
-            texts, n_tokens = user_turns(config, target, tok, [headers[(tries + k) % len(headers)] for k in range(rows)], tries)
+            picked = [topics[(tries + k) % len(topics)] for k in range(rows)]  # try i's topic: i mod len
+            texts, n_tokens = user_turns(config, target, tok, [headers[t] for t in picked], tries)
             new = 0
             for k, text in enumerate(texts):
                 if kept + new >= config.self_prompts or text is None:
@@ -196,8 +197,7 @@ def write_self_prompts(config: GenerateConfig, target, tok, path: Path) -> int:
                 if len(text) < 16 or normalise(text) in seen:
                     continue
                 seen.add(normalise(text))
-                topic = topics[(tries + k) % len(topics)]
-                f.write(json.dumps({"id": str(tries + k), "prompt": text, **({"topic": topic} if topic else {})}) + "\n")
+                f.write(json.dumps({"id": str(tries + k), "prompt": text, **({"topic": picked[k]} if picked[k] else {})}) + "\n")
                 new += 1
             f.flush()
             kept, tries = kept + new, tries + rows
