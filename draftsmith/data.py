@@ -2,9 +2,12 @@
 
 `load_prompts` reads training prompt files in the common public formats (ShareGPT, OpenAI
 messages, MT-bench `turns`, GSM8K `question`, Alpaca / self-instruct `instruction`, plain
-`prompt`, UltraChat `data`), keeps only the user turns (the target model regenerates the
-answers, so the drafter learns the target's own distribution), deduplicates them and drops any
-that appear in an evaluation set. `load_eval` reads MT-bench / Spec-Bench question files.
+`prompt`, UltraChat `data`), keeps the user turns (the target model regenerates the answers,
+so the drafter learns the target's own distribution), deduplicates them and drops any that
+appear in an evaluation set. Where a record also carries its own answer to the first turn
+(ShareGPT's first gpt turn, GSM8K's `answer`, Alpaca's `output`, UltraChat's second string) it
+is kept as `Prompt.answer`: `generate --original-answers` trains on those instead, the baseline
+that regeneration is measured against. `load_eval` reads MT-bench / Spec-Bench question files.
 
 `encode_conversation` renders a conversation with the tokenizer's own chat template and marks
 which tokens the drafter is trained on: the assistant answers and the end-of-turn text that
@@ -23,6 +26,7 @@ SUPPORTED = (
     "question, instruction (+ input or instances [{input, output}]), prompt, data (str or [str])"
 )
 USER_ROLES = ("human", "user")
+ASSISTANT_ROLES = ("gpt", "assistant", "chatgpt")
 
 
 SAMPLE_SEP = "#sample"  # generate --samples N: answer k of prompt P has id P#sample<k>
@@ -38,6 +42,7 @@ class Prompt:
     id: str  # source file stem + record id (or index), stable across runs
     turns: tuple[str, ...]  # user turns only, first turn first
     source: str  # file name it came from
+    answer: str | None = None  # the record's own answer to the first turn, where it has one (not the target's)
 
 
 @dataclass(frozen=True)
@@ -101,6 +106,39 @@ def _record_turns(rec) -> list | None:
     return None
 
 
+def _first_reply(messages: list, role_key: str, text_key: str) -> str | None:
+    """The assistant message right after the first user message, if that is what follows it."""
+    roles = [m.get(role_key) if isinstance(m, dict) else None for m in messages]
+    first = next((i for i, r in enumerate(roles) if r in USER_ROLES), None)
+    if first is None or first + 1 >= len(messages) or roles[first + 1] not in ASSISTANT_ROLES:
+        return None
+    return messages[first + 1].get(text_key)
+
+
+def _record_answer(rec: dict) -> str | None:
+    """The record's own answer to its first user turn, in the shapes that carry one; None elsewhere."""
+    if isinstance(rec.get("conversations"), list):
+        msgs = rec["conversations"]
+        keys = ("from", "value") if any(isinstance(m, dict) and "from" in m for m in msgs) else ("role", "content")
+        return _first_reply(msgs, *keys)
+    if isinstance(rec.get("messages"), list):
+        return _first_reply(rec["messages"], "role", "content")
+    if isinstance(rec.get("turns"), list):
+        return None  # MT-bench style: questions only
+    if isinstance(rec.get("instruction"), str):  # Alpaca's output, or self-instruct's first instance's
+        instances = rec.get("instances")
+        first = instances[0] if isinstance(instances, list) and instances and isinstance(instances[0], dict) else {}
+        return rec.get("output") or first.get("output")
+    if isinstance(rec.get("question"), str):
+        return rec.get("answer")  # GSM8K: the worked solution ending in "#### <number>"
+    if isinstance(rec.get("prompt"), str):
+        return rec.get("completion") or rec.get("response")
+    data = rec.get("data")
+    if isinstance(data, list) and len(data) > 1:
+        return data[1]  # UltraChat alternates user / assistant
+    return None
+
+
 def _record_id(rec: dict, index: int) -> str:
     for key in ("id", "question_id"):
         if rec.get(key) is not None:
@@ -119,7 +157,9 @@ def read_prompt_file(path: str | Path) -> list[Prompt]:
             raise ValueError(f"{path}: record {i} has an unsupported shape (keys: {keys}); supported fields: {SUPPORTED}")
         turns = tuple(t.strip() for t in turns if isinstance(t, str) and t.strip())
         if turns:  # e.g. a ShareGPT record holding only a system prompt
-            prompts.append(Prompt(id=f"{path.stem}/{_record_id(rec, i)}", turns=turns, source=path.name))
+            answer = _record_answer(rec)
+            answer = answer.strip() if isinstance(answer, str) and answer.strip() else None
+            prompts.append(Prompt(id=f"{path.stem}/{_record_id(rec, i)}", turns=turns, source=path.name, answer=answer))
     if not prompts:
         raise ValueError(f"{path}: no record with a non-empty user turn")
     return prompts

@@ -6,6 +6,10 @@ OpenAI-compatible server (SGLang, vLLM) given by `server`. Answers are appended 
 `answers.jsonl` one batch at a time; a rerun (after a crash or Ctrl-C) skips every prompt that
 already has an answer, so each sample is written exactly once.
 
+With `original_answers` nothing is generated: each prompt that carries its own answer in its file
+(GSM8K's solution, Alpaca's output, ShareGPT's first reply) is written with that answer instead, in
+the same format, so that training on the dataset as given can be measured against regeneration.
+
 With `self_prompts` N the target first writes N user prompts itself (the chat template up to a
 user turn, sampled until the model ends the turn, as in Magpie), kept in `self_prompts.jsonl`
 (a prompt file) and answered with the rest: more prompts, in the target's own idea of a chat.
@@ -23,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.data import (SAMPLE_SEP, Prompt, excluded_turns, load_prompts, normalise, prompt_ids, read_prompt_file,
+from draftsmith.data import (SAMPLE_SEP, SUPPORTED, Prompt, excluded_turns, load_prompts, normalise, prompt_ids, read_prompt_file,
                              user_header_ids)
 from draftsmith.decode import generate_batch
 from draftsmith.common import Progress, dtype_of, write_config
@@ -60,6 +64,9 @@ class GenerateConfig:
     self_prompt_max_tokens: int = 128  # a self-written prompt that has not ended its turn by then is dropped
     self_prompt_topics: tuple[str, ...] = ()  # steer the self-written prompts: try i is written under the system
     # message TOPIC_SYSTEM with topic i mod len (recorded with the prompt); none: the template's own system prompt
+    original_answers: bool = False  # write each prompt's own answer from its file (GSM8K's solution, Alpaca's output,
+    # ShareGPT's first reply) instead of the target's: the baseline regeneration is measured against. Prompts without
+    # one are skipped and counted; only the tokenizer is loaded
 
     def __post_init__(self):
         if not self.prompts:
@@ -73,6 +80,9 @@ class GenerateConfig:
         if self.self_prompts < 0 or (self.self_prompts and self.self_prompt_temperature <= 0):
             raise ValueError("self_prompts must be >= 0, and needs a self_prompt_temperature > 0 (greedy would write "
                              "one prompt over and over)")
+        if self.original_answers and (self.server or self.self_prompts or self.samples > 1):
+            raise ValueError("--original-answers writes the prompt files' own answers: it takes no --server, "
+                             "--self-prompts or --samples (those ask the target)")
 
 
 @dataclass
@@ -84,6 +94,7 @@ class GenerateResult:
     tokens: int  # answer tokens written by this run
     seconds: float
     self_prompts: int = 0  # self-written prompts in self_prompts.jsonl now
+    without_answer: int = 0  # original_answers: prompts skipped because their file gives no answer
 
 
 def sampled(prompts: list[Prompt], samples: int) -> list[Prompt]:
@@ -211,6 +222,32 @@ def write_self_prompts(config: GenerateConfig, target, tok, path: Path) -> int:
     return kept
 
 
+def write_original(config: GenerateConfig, path: Path, done: set[str]) -> GenerateResult:
+    """answers.jsonl from the prompt files' own answers (original_answers): no target, only its tokenizer."""
+    t0 = time.perf_counter()
+    tok = load_tokenizer(config.target)
+    todo = [p for p in load_prompts(config.prompts, config.exclude, config.limit) if p.id not in done]
+    with_answer = [p for p in todo if p.answer]
+    if not with_answer and not done:
+        raise ValueError(f"no prompt in {', '.join(config.prompts)} carries its own answer (supported: {SUPPORTED}): "
+                         "--original-answers needs files with answers, e.g. GSM8K's or Alpaca's")
+    written, tokens, skipped = 0, 0, 0
+    bar = Progress(len(with_answer), "original answers", unit="prompt")
+    with open(path, "a", encoding="utf-8") as f:
+        for p in with_answer:
+            n_prompt = len(prompt_ids(tok, p.turns))
+            if n_prompt > config.max_prompt_tokens:  # the same prompts regeneration would skip
+                skipped += 1
+            else:
+                n_answer = len(tok(p.answer, add_special_tokens=False)["input_ids"])
+                f.write(json.dumps(record(p, p.answer, n_prompt, n_answer, "original")) + "\n")
+                written, tokens = written + 1, tokens + n_answer
+            bar.update(1)
+    bar.close()
+    return GenerateResult(str(path), written, len(done) + written, skipped, tokens, time.perf_counter() - t0,
+                          without_answer=len(todo) - len(with_answer))
+
+
 def run(config: GenerateConfig) -> GenerateResult:
     t0 = time.perf_counter()
     out = Path(config.out)
@@ -218,6 +255,8 @@ def run(config: GenerateConfig) -> GenerateResult:
     write_config(out, "generate", config)
     path = out / ANSWERS
     done = read_done(path)
+    if config.original_answers:
+        return write_original(config, path, done)
     target = None if config.server else load_target(config.target, config.device, dtype_of(config.dtype))
     files, n_self = config.prompts, 0
     if config.self_prompts:

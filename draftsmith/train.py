@@ -79,6 +79,8 @@ class TrainConfig:
     draft_intermediate_size: int | None = None  # the drafter's MLP width; None: the target's (SGLang and vLLM read it
     # from the exported config)
     ttt_depth: int = 7
+    eval_depth: int | None = None  # draft steps the held-out and --eval-data scores unroll (None: ttt_depth); set it
+    # when comparing drafters trained at different depths, e.g. a depth-3 drafter scored over 7 steps
     epochs: int = 1
     lr: float | None = None  # None: 1e-3 from scratch (the H200 recipe, h200-recipe.md), 1e-4 from an init drafter
     warmup_ratio: float = 0.015
@@ -114,8 +116,8 @@ class TrainConfig:
     # step's time goes (device kernels vs host), for speeding training up
 
     def __post_init__(self):
-        if self.ttt_depth < 1 or self.epochs < 1 or self.batch_tokens < 16:
-            raise ValueError("need ttt_depth >= 1, epochs >= 1, batch_tokens >= 16")
+        if self.ttt_depth < 1 or self.epochs < 1 or self.batch_tokens < 16 or (self.eval_depth is not None and self.eval_depth < 1):
+            raise ValueError("need ttt_depth >= 1, eval_depth >= 1, epochs >= 1, batch_tokens >= 16")
         if not 0 <= self.eval_fraction < 1:
             raise ValueError("eval_fraction must be in [0, 1)")
         if self.grad_accum < 1 or self.parallel not in ("ddp", "fsdp"):
@@ -373,8 +375,8 @@ class TTTObjective(nn.Module):
         self.drafter, self.head, self.depth = drafter, head, depth  # head: frozen (Vd, H), not a weight
         self.chunk_tokens, self.options = chunk_tokens, options
 
-    def forward(self, batch: dict | None):
-        loss, stats = (ttt_loss(self.drafter, self.head, batch, self.depth, self.chunk_tokens, **self.options)
+    def forward(self, batch: dict | None, depth: int | None = None):
+        loss, stats = (ttt_loss(self.drafter, self.head, batch, depth or self.depth, self.chunk_tokens, **self.options)
                        if batch is not None else (0.0, []))
         if not torch.is_tensor(loss):
             loss = sum(p.sum() for p in self.parameters() if p.requires_grad) * 0.0
@@ -416,7 +418,7 @@ def evaluate(model, data, indices, cfg: TrainConfig, featurize, world: World) ->
     mine = []
     for i in range(world.rank, math.ceil(len(packs) / world.size) * world.size, world.size):
         with autocast(world.device):
-            _, stats = model(featurize(pack(packs[i], world.device)) if i < len(packs) else None)
+            _, stats = model(featurize(pack(packs[i], world.device)) if i < len(packs) else None, depth=cfg.eval_depth)
         if i < len(packs):
             mine.append((i, stats))
     model.train()

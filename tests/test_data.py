@@ -34,14 +34,14 @@ def test_sharegpt_keeps_user_turns_only(tmp_path):
             {"from": "gpt", "value": "a1"}, {"from": "human", "value": "q2"}]},
         {"id": "b", "conversations": [{"from": "gpt", "value": "only an answer"}]},  # no user turn: skipped
     ])
-    assert load_prompts([f]) == [Prompt(id="sg/a", turns=("q1", "q2"), source="sg.json")]
+    assert load_prompts([f]) == [Prompt(id="sg/a", turns=("q1", "q2"), source="sg.json", answer="a1")]
 
 
 def test_openai_messages(tmp_path):
     f = write_json(tmp_path / "oa.json", [{"messages": [
         {"role": "system", "content": "sys"}, {"role": "user", "content": "hello there"},
         {"role": "assistant", "content": "hi"}, {"role": "user", "content": "  "}]}])
-    assert load_prompts([f]) == [Prompt(id="oa/0", turns=("hello there",), source="oa.json")]
+    assert load_prompts([f]) == [Prompt(id="oa/0", turns=("hello there",), source="oa.json", answer="hi")]
 
 
 def test_jsonl_shapes(tmp_path):
@@ -59,6 +59,25 @@ def test_jsonl_shapes(tmp_path):
         ("Summarise.\n\nA long text.",), ("Tell a joke.",), ("Plain prompt",),
     ]
     assert [p.id for p in got] == ["mixed/7", "mixed/1", "mixed/2", "mixed/t1", "mixed/t2", "mixed/5"]
+
+
+def test_a_records_own_answer_to_its_first_turn_is_kept_where_it_has_one(tmp_path):
+    f = write_jsonl(tmp_path / "mixed.jsonl", [
+        {"question_id": 7, "category": "x", "turns": ["turn one", "turn two"]},  # questions only
+        {"question": "How many clips?", "answer": "48 + 24 = 72\n#### 72"},  # GSM8K
+        {"instruction": "Fix the grammar.", "input": "me go home", "output": "I go home."},  # Alpaca
+        {"id": "t1", "instruction": "Summarise.", "instances": [{"input": "A long text.", "output": " Short. "}]},
+        {"id": "t2", "instruction": "Tell a joke.", "instances": [{"input": "", "output": "  "}]},  # blank: none
+        {"prompt": "Plain prompt", "completion": "Plain answer"},
+        {"conversations": [{"from": "human", "value": "q"}, {"from": "human", "value": "q again"},
+                           {"from": "gpt", "value": "a reply to the second turn, not the first"}]},
+        {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                      {"role": "assistant", "content": "r"}]},
+        {"data": ["uc question", "uc answer", "follow-up"]},
+        {"data": "a bare string"},
+    ])
+    assert [p.answer for p in load_prompts([f])] == [
+        None, "48 + 24 = 72\n#### 72", "I go home.", "Short.", None, "Plain answer", None, "r", "uc answer", None]
 
 
 def test_ultrachat_takes_first_string(tmp_path):

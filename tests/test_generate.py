@@ -84,6 +84,38 @@ def test_answers_are_the_targets_own_greedy_output(tiny_target_dir, tmp_path):
         assert r["conversations"][1]["content"] == target.tokenizer.decode(plain[:-1] if stop else plain)
 
 
+def test_original_answers_are_the_files_own_in_the_same_format_without_the_target(tiny_target_dir, tmp_path, monkeypatch):
+    from draftsmith.target import load_tokenizer
+
+    prompts = tmp_path / "mix.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"question": "What is 2 plus 2?", "answer": "2 + 2 = <<2+2=4>>4\n#### 4"},
+        {"question": "A question with no answer given"},
+        {"instruction": "Name a colour.", "output": "Blue."},
+    ]))
+    monkeypatch.setattr(generate, "load_target", lambda *a, **k: pytest.fail("the target is not needed"))
+    cfg = GenerateConfig(target=str(tiny_target_dir), prompts=(str(prompts),), out=str(tmp_path / "g"),
+                         original_answers=True)
+    result = generate.run(cfg)
+    assert (result.written, result.total, result.without_answer) == (2, 2, 1)
+    rec = [json.loads(l) for l in (tmp_path / "g" / "answers.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in rec] == ["mix/0", "mix/2"] and {r["finish"] for r in rec} == {"original"}
+    assert [r["conversations"] for r in rec] == [
+        [{"role": "user", "content": "What is 2 plus 2?"}, {"role": "assistant", "content": "2 + 2 = <<2+2=4>>4\n#### 4"}],
+        [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."}]]
+    tok = load_tokenizer(str(tiny_target_dir))
+    assert rec[1]["answer_tokens"] == len(tok("Blue.", add_special_tokens=False)["input_ids"]) > 0
+    assert result.tokens == sum(r["answer_tokens"] for r in rec)
+    assert generate.run(cfg).written == 0  # a rerun has nothing left to write
+    bare = tmp_path / "bare.jsonl"
+    bare.write_text(json.dumps({"question": "no answer here"}) + "\n")
+    with pytest.raises(ValueError, match="carries its own answer"):
+        generate.run(GenerateConfig(target=str(tiny_target_dir), prompts=(str(bare),), out=str(tmp_path / "b"),
+                                    original_answers=True))
+    with pytest.raises(ValueError, match="--original-answers"):
+        GenerateConfig(target="x", prompts=("p",), out="o", original_answers=True, self_prompts=4)
+
+
 def test_bad_config_is_refused():
     with pytest.raises(ValueError, match="prompt file"):
         GenerateConfig(target="x", prompts=(), out="o")

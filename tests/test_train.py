@@ -101,6 +101,21 @@ def test_an_extra_evaluation_set_is_scored_every_epoch(tiny_target_dir, tiny_hid
     assert both.eval["eval_data"] == epochs[-1]["eval_data"]  # nothing trained after the last epoch's evaluation
 
 
+def test_scores_can_unroll_more_draft_steps_than_training_did(tiny_target_dir, tiny_hidden, tmp_path):
+    """eval_depth: drafters trained at different TTT depths are compared over the same draft steps."""
+    common = dict(target=str(tiny_target_dir), data=str(tiny_hidden), draft_vocab_size=64, ttt_depth=2, epochs=1,
+                  batch_tokens=128, lr=1e-3, eval_fraction=0.2)
+    plain = run(TrainConfig(out=str(tmp_path / "a"), **common))
+    deep = run(TrainConfig(out=str(tmp_path / "b"), eval_depth=4, **common))
+    assert len(plain.eval["acc"]) == 2 and len(deep.eval["acc"]) == 4
+    assert deep.eval["acc"][:2] == pytest.approx(plain.eval["acc"], abs=1e-6)  # the first steps score the same
+    assert deep.eval["accept_length"] == pytest.approx(accept_length(deep.eval["acc"]))
+    a, b = (load_file(str(tmp_path / d / "drafter" / "drafter.safetensors")) for d in "ab")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # training itself is unchanged
+    with pytest.raises(ValueError, match="eval_depth"):
+        TrainConfig(eval_depth=0, **{**common, "out": "o"})
+
+
 def test_training_starts_from_an_earlier_drafter(tiny_target_dir, tiny_hidden, tmp_path):
     """--init: the earlier drafter's weights and draft vocab (not a new one), whatever draft_vocab_size says."""
     common = dict(target=str(tiny_target_dir), data=str(tiny_hidden), ttt_depth=2, batch_tokens=128, eval_fraction=0.2)
