@@ -11,7 +11,7 @@
 # Each step writes OUT/steps.txt lines (rc, seconds); OUT/done at the end. Environment overrides (defaults: the
 # run of 2026-12-06 at 6bd8ada, less Tuning.gate_ksplit, since removed): SECTIONS, ENGINE_VARIANTS, ROWS, SWEEP_8B
 # (step 1's sections, variants, pass sizes and sweep), SWEEP_SMOLLM2, BENCH_VARIANTS, BENCH_FLAGS (step 2's sweep,
-# shape variants, and "--hf --with-8b"), PYTEST_K and PYTEST_S (step 3's -k and time limit, 480 s).
+# shape variants, and "--hf --with-8b"), PYTEST_K and PYTEST_S (step 3's -k and time limit, 480 s; 0 skips it).
 # usage: bash benchmarks/decode_session.sh OUT GGUF DATA
 set -uo pipefail
 out=${1:?usage: decode_session.sh OUT GGUF DATA} gguf=${2:?GGUF} data=${3:?DATA}
@@ -29,6 +29,6 @@ step bench "${BENCH_LIMIT:-900}" python3 benchmarks/h200_run.py bench --gguf "$g
   --sweep "${SWEEP_SMOLLM2:-bk_max=256;slots=128;warps=2,4;split=32,64;merge_last=0,1}" \
   --variants "${BENCH_VARIANTS:-compiled,triton_default}" --ttt-paths "" --no-t1 ${BENCH_FLAGS:---hf --with-8b} \
   --greedy-trees 4x5x15 --out "$out/bench"
-step pytest-gpu "${PYTEST_S:-480}" bash -c "set -o pipefail; python3 -m pytest -v --tb=short -m gpu tests/test_kernels.py tests/test_decode.py \
+[ "${PYTEST_S:-480}" -gt 0 ] && step pytest-gpu "${PYTEST_S:-480}" bash -c "set -o pipefail; python3 -m pytest -v --tb=short -m gpu tests/test_kernels.py tests/test_decode.py \
   -k '${PYTEST_K:-not nothing}' -p no:logging 2>&1 | tee '$out/pytest-gpu.txt'"
 touch "$out/done"
