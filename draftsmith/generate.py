@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.data import (SAMPLE_SEP, SUPPORTED, Prompt, excluded_turns, load_prompts, normalise, prompt_ids, read_prompt_file,
-                             user_header_ids)
+from draftsmith.data import (SAMPLE_SEP, SUPPORTED, Prompt, excluded_turns, load_prompts, normalise, prompt_ids,
+                             read_prompt_file, user_header_ids)
 from draftsmith.decode import generate_batch
 from draftsmith.common import Progress, dtype_of, write_config
 from draftsmith.target import load_target, load_tokenizer
