@@ -81,16 +81,22 @@ def _instruction(rec: dict) -> str:
     return f"{instruction}\n\n{extra}" if isinstance(extra, str) and extra.strip() else instruction
 
 
+def _chat(rec: dict) -> tuple[list, str, str] | None:
+    """A chat record's messages with the keys of their role and text (ShareGPT's or OpenAI's); None for other shapes."""
+    if isinstance(rec.get("conversations"), list):
+        msgs = rec["conversations"]
+        return (msgs, "from", "value") if any(isinstance(m, dict) and "from" in m for m in msgs) else (msgs, "role", "content")
+    if isinstance(rec.get("messages"), list):
+        return rec["messages"], "role", "content"
+    return None
+
+
 def _record_turns(rec) -> list | None:
     """The user turns of one record in any supported shape; None when the shape is not recognised."""
     if not isinstance(rec, dict):
         return None
-    if isinstance(rec.get("conversations"), list):
-        msgs = rec["conversations"]
-        keys = ("from", "value") if any(isinstance(m, dict) and "from" in m for m in msgs) else ("role", "content")
-        return _chat_user_turns(msgs, *keys)
-    if isinstance(rec.get("messages"), list):
-        return _chat_user_turns(rec["messages"], "role", "content")
+    if chat := _chat(rec):
+        return _chat_user_turns(*chat)
     if isinstance(rec.get("turns"), list):
         return list(rec["turns"])
     if isinstance(rec.get("instruction"), str):
@@ -117,12 +123,8 @@ def _first_reply(messages: list, role_key: str, text_key: str) -> str | None:
 
 def _record_answer(rec: dict) -> str | None:
     """The record's own answer to its first user turn, in the shapes that carry one; None elsewhere."""
-    if isinstance(rec.get("conversations"), list):
-        msgs = rec["conversations"]
-        keys = ("from", "value") if any(isinstance(m, dict) and "from" in m for m in msgs) else ("role", "content")
-        return _first_reply(msgs, *keys)
-    if isinstance(rec.get("messages"), list):
-        return _first_reply(rec["messages"], "role", "content")
+    if chat := _chat(rec):
+        return _first_reply(*chat)
     if isinstance(rec.get("turns"), list):
         return None  # MT-bench style: questions only
     if isinstance(rec.get("instruction"), str):  # Alpaca's output, or self-instruct's first instance's
