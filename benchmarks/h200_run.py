@@ -824,7 +824,7 @@ def phase_bench(a) -> list[str]:
     return res["failed_checks"]
 
 
-def main():
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("phase", choices=["train", "bench", "both", "engine", "ttt"])
     ap.add_argument("--tag", default="")
@@ -918,7 +918,11 @@ def main():
     ap.add_argument("--greedy-trees", default="", help="bench: more greedy trees beside the main one, comma-separated"
                     " shapes KxDxN (topk x draft steps x draft tokens), e.g. 4x5x16,8x6x24: a section tree_KxDxN each, run"
                     " prompt by prompt with the others and checked alike (identical prompts, greedy agreement)")
-    a = ap.parse_args()
+    return ap
+
+
+def main():
+    a = build_parser().parse_args()
     if a.sweep:
         SWEEP.clear()
         SWEEP.update(parse_sweep(a.sweep))

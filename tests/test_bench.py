@@ -179,3 +179,43 @@ def test_the_device_benchs_sampled_trees_parse_into_tree_specs():
     for bad in ("4x5", "4x5x16x2", "4xfivex16", "0x5x16"):
         with pytest.raises(SystemExit, match=f"tree shape '{bad}': expected KxDxN"):
             h200.tree_shape(bad)
+
+
+def test_the_recipe_sessions_default_arms_are_flags_the_script_takes():
+    """recipe_session.sh's default arms reach the device untried: each arm's flags, after the shared ones, must
+    parse as h200_run.py train flags (a typo would cost the arm's device time), and --source-fraction keeps a
+    stable hashed share of a file's prompts, a prompt's samples with it, other files whole."""
+    import importlib.util
+    import re
+    import shlex
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    spec = importlib.util.spec_from_file_location("h200_run", root / "benchmarks" / "h200_run.py")
+    h200 = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(h200)
+    script = (root / "benchmarks" / "recipe_session.sh").read_text()
+    subset = re.search(r"^subset=(\S+)", script, re.M).group(1)
+    arms = re.search(r'arms=\$\{ARMS:-"(.*?)"\}', script, re.S).group(1).replace("\\\n", "").replace("$subset", subset)
+    shared = ["train", "--gguf", "g", "--data", "d", "--answers", "a.jsonl.gz", "--train-steps", "600", "--deadline", "1",
+              "--bring-back", "metrics", "--export-vocab", "0"]
+    names = []
+    for arm in arms.split(";"):
+        name, _, flags = arm.partition(":")
+        a = h200.build_parser().parse_args([*shared, f"--tag=-{name}", *shlex.split(flags), "--out", "o"])
+        names.append(name)
+        if name == "original-subset":
+            assert a.original_answers and a.answer_sources == "gsm8k,self_instruct,alpaca" and a.self_prompts == 0
+        if name.startswith("depth"):
+            assert a.eval_depth == 7 and a.depth < 7  # scored over the same 7 steps as depth 7
+    assert names[0] == "base" and len(set(names)) == len(names) >= 8
+    fractions = h200.source_fractions("gsm8k=0.3")
+    records = [{"id": f"gsm8k_train/{i}", "source": "gsm8k_train.jsonl"} for i in range(4000)]
+    kept = [h200.carried(r, None, fractions) for r in records]
+    assert 0.27 < sum(kept) / len(kept) < 0.33 and kept == [h200.carried(r, None, fractions) for r in records]
+    samples = [{"id": f"gsm8k_train/{i}#sample1", "source": "gsm8k_train.jsonl"} for i in range(4000)]
+    assert [h200.carried(r, None, fractions) for r in samples] == kept
+    assert h200.carried({"id": "alpaca_seed_tasks/1", "source": "alpaca_seed_tasks.jsonl"}, None, fractions)
+    assert not h200.carried({"id": "alpaca_seed_tasks/1", "source": "alpaca_seed_tasks.jsonl"}, ("gsm8k",), {})
+    with pytest.raises(SystemExit, match="PREFIX=F"):
+        h200.source_fractions("gsm8k=2")
