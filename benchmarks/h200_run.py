@@ -173,7 +173,7 @@ def phase_train(a):
     dump(out, "train.json", res)
     print(json.dumps(res), flush=True)
     cfg = dict(target=a.gguf, data=str(train_data), eval_data=eval_data, online=True, device=a.device,
-               target_dtype=a.dtype, ttt_depth=a.depth, eval_depth=a.eval_depth, draft_vocab_size=a.vocab, draft_intermediate_size=a.draft_intermediate, lr=a.lr, batch_tokens=a.batch_tokens, rows_per_pack=a.rows_per_pack,
+               target_dtype=a.dtype, ttt_depth=a.depth, eval_depth=a.eval_depth, step_decay=a.step_decay, draft_vocab_size=a.vocab, draft_intermediate_size=a.draft_intermediate, lr=a.lr, batch_tokens=a.batch_tokens, rows_per_pack=a.rows_per_pack,
                loss_chunk_tokens=a.loss_chunk, eval_fraction=0.02, save_every=200, attn_impl=a.attn_impl,  # --deadline saves on stopping; this bounds a kill
                compile_loss=a.compile_loss)
     if a.attn_impl == "probe":  # decide the TTT attention by measurement: the faster step wins
@@ -893,6 +893,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--train-seconds", type=float, default=170)
     ap.add_argument("--depth", type=int, default=7)
     ap.add_argument("--eval-depth", type=int, help="train: draft steps the scores unroll (default: --depth)")
+    ap.add_argument("--step-decay", type=float, default=0.8, help="train: TTT step j's loss weight is this to the j")
     ap.add_argument("--profile-steps", type=int, default=0, help="train: profile this many steps (from step 10) into"
                     " train.json's train_profile")
     ap.add_argument("--ttt-paths", default=",".join(TTT_PATHS), help="ttt, and bench with the 8B shape: which of TTT_PATHS"

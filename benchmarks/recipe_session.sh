@@ -7,7 +7,8 @@
 #   ARMS: "name:flags;name:flags;..." (h200_run.py train flags over the shared ones below); default: run 12's data
 #   (base), lr 2e-3, regenerated against original answers on the prompts that carry their own (GSM8K, self-instruct,
 #   Alpaca: greedy answers only), TTT depth 3 (scored over 7 steps like the rest), a draft vocab of 8,192 in training, lr 5e-4,
-#   the data mix with 30% of GSM8K's prompts (7,473 of the 12,369 files' prompts), TTT depth 5.
+#   the data mix with 30% of GSM8K's prompts (7,473 of the 12,369 files' prompts), TTT depth 5, depth 7 with the
+#   steps' loss weights 0.5^j instead of 0.8^j (more of the loss on the first steps, where depth 3 gained).
 #   ARM_STEPS: steps an arm (600); ANSWERS: the carried answers.jsonl.gz (/tmp/answers12.jsonl.gz); ARM_FLAGS: more
 #   flags for every arm (a CPU smoke: --device cpu --dtype float32 --attn-impl eager ...).
 # Each arm writes OUT/<name>/train.json and metrics.jsonl.gz; OUT/arms.tar.gz holds them all (refreshed after each
@@ -19,7 +20,8 @@ answers=${ANSWERS:-/tmp/answers12.jsonl.gz} steps=${ARM_STEPS:-600}
 subset=gsm8k,self_instruct,alpaca  # the prompt files that carry their own answers (UltraChat's subset: questions only)
 arms=${ARMS:-"base:;lr2e-3:--lr 2e-3;regen-subset:--answer-sources $subset --self-prompts 0 --extra-samples 0;\
 original-subset:--original-answers --answer-sources $subset --self-prompts 0 --extra-samples 0;depth3:--depth 3 --eval-depth 7;\
-vocab8k:--vocab 8192;lr5e-4:--lr 5e-4;gsm8k-0.3:--source-fraction gsm8k=0.3;depth5:--depth 5 --eval-depth 7"}
+vocab8k:--vocab 8192;lr5e-4:--lr 5e-4;gsm8k-0.3:--source-fraction gsm8k=0.3;depth5:--depth 5 --eval-depth 7;\
+decay0.5:--step-decay 0.5"}
 # run from a copy: a later device call re-copies the working tree under a running job (a missing module mid-import)
 work=/tmp/recipe-session-tree
 rm -rf "$work" && cp -r "$(cd "$(dirname "$0")/.." && pwd)" "$work" && cd "$work" || exit 1

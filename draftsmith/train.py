@@ -64,7 +64,7 @@ from draftsmith.parallel import (World, barrier, close, full_optimizer_state, fu
 from draftsmith.target import load_target
 from draftsmith.vocab import build_vocab, count_tokens
 
-STEP_DECAY = 0.8
+STEP_DECAY = 0.8  # TTT step j's loss weight is STEP_DECAY**j (EAGLE, SpecForge; REFERENCE.md section 2)
 
 
 @dataclass(frozen=True)
@@ -81,6 +81,8 @@ class TrainConfig:
     ttt_depth: int = 7
     eval_depth: int | None = None  # draft steps the held-out and --eval-data scores unroll (None: ttt_depth); set it
     # when comparing drafters trained at different depths, e.g. a depth-3 drafter scored over 7 steps
+    step_decay: float = STEP_DECAY  # TTT step j's loss weight is step_decay**j: lower puts more of the loss on the
+    # first draft steps (which a short chain leans on) while the later ones are still trained
     epochs: int = 1
     lr: float | None = None  # None: 1e-3 from scratch (the H200 recipe, h200-recipe.md), 1e-4 from an init drafter
     warmup_ratio: float = 0.015
@@ -118,6 +120,8 @@ class TrainConfig:
     def __post_init__(self):
         if self.ttt_depth < 1 or self.epochs < 1 or self.batch_tokens < 16 or (self.eval_depth is not None and self.eval_depth < 1):
             raise ValueError("need ttt_depth >= 1, eval_depth >= 1, epochs >= 1, batch_tokens >= 16")
+        if not 0 < self.step_decay <= 1:
+            raise ValueError(f"step_decay must be in (0, 1], got {self.step_decay}")
         if not 0 <= self.eval_fraction < 1:
             raise ValueError("eval_fraction must be in [0, 1)")
         if self.grad_accum < 1 or self.parallel not in ("ddp", "fsdp"):
@@ -314,12 +318,13 @@ def step_kl(drafter: Eagle3Drafter, hidden: torch.Tensor, log_p, index: torch.Te
 
 
 def ttt_loss(drafter: Eagle3Drafter, head: torch.Tensor, batch: dict, depth: int, chunk_tokens: int | None = None, *,
-             target_cache_mb: int = 4096, attn_impl: str = "auto", compile_loss: bool | None = None):
+             target_cache_mb: int = 4096, attn_impl: str = "auto", compile_loss: bool | None = None,
+             step_decay: float = STEP_DECAY):
     """Weighted TTT loss plus per-step (loss_j, acc_j, count_j) over a packed (B, T) batch; loss_j
     is the mean over the step's scored tokens in all B rows. head: (Vd, H) target rows. chunk_tokens
     bounds the scored tokens whose (n, Vd) logits exist at once (step_kl); target_cache_mb the target's
     log-probs kept for the whole pack (target_table). attn_impl goes to Eagle3Drafter.ttt; compile_loss
-    (None: on CUDA) runs kl_terms compiled."""
+    (None: on CUDA) runs kl_terms compiled. Step j's loss weighs step_decay**j."""
     ids = batch["input_ids"].long()
     dtype = drafter.fc.weight.dtype
     compiled = ids.is_cuda if compile_loss is None else compile_loss
@@ -338,7 +343,7 @@ def ttt_loss(drafter: Eagle3Drafter, head: torch.Tensor, batch: dict, depth: int
             continue
         kl, pred = step_kl(drafter, h.flatten(0, 1)[r], log_p, i, chunk_tokens, compiled)  # (n,), (n,)
         loss_j = kl.mean()
-        total = total + STEP_DECAY**j * loss_j
+        total = total + step_decay**j * loss_j
         losses.append(loss_j.detach())
         accs.append((drafter.to_target(pred) == argmax[n]).float().mean())
     loss_acc = torch.stack([torch.stack(losses), torch.stack(accs)]).tolist()  # one host sync for all steps
@@ -651,7 +656,7 @@ def train(config: TrainConfig, world: World) -> TrainResult:
     if resuming:
         drafter.load_state_dict(load_file(str(ckpt / "model.safetensors")))
     objective = TTTObjective(drafter, head, config.ttt_depth, config.loss_chunk_tokens, target_cache_mb=config.target_cache_mb,
-                             attn_impl=config.attn_impl, compile_loss=config.compile_loss)
+                             attn_impl=config.attn_impl, compile_loss=config.compile_loss, step_decay=config.step_decay)
     model = parallelize(objective, config.parallel, world)
     params = [p for p in drafter.parameters() if p.requires_grad]  # after parallelize: FSDP swaps them
     opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95))

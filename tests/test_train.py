@@ -53,6 +53,20 @@ def test_ttt_loss_falls_when_overfitting_one_batch(tiny_target_dir, tiny_hidden)
     assert stats[0][1] > max(0.75, first_acc + 0.3)  # step-0 agreement with the target's greedy token
 
 
+def test_the_loss_weighs_step_j_by_step_decay_to_the_j(tiny_target_dir, tiny_hidden):
+    drafter, head, data = drafter_and_head(tiny_target_dir, tiny_hidden)
+    batch = pack([[data[0], data[1]]], "cpu")
+    losses = {}
+    for decay in (0.8, 0.5):
+        loss, stats = ttt_loss(drafter, head, batch, 3, step_decay=decay)
+        assert float(loss) == pytest.approx(sum(decay**j * lj for j, (lj, _, _) in enumerate(stats)), rel=1e-5)
+        losses[decay] = (float(loss), stats)
+    assert losses[0.8][1] == losses[0.5][1]  # the steps' own losses do not depend on their weights
+    assert float(ttt_loss(drafter, head, batch, 3)[0]) == losses[0.8][0]  # 0.8, EAGLE's and SpecForge's, by default
+    with pytest.raises(ValueError, match="step_decay"):
+        TrainConfig(target="t", data="d", out="o", step_decay=0)
+
+
 @pytest.mark.parametrize("rows_per_pack, loss_chunk_tokens", [(1, 4096), (3, 32)])
 def test_resumed_run_matches_an_uninterrupted_one(rows_per_pack, loss_chunk_tokens, tiny_target_dir, tiny_hidden, tmp_path):
     common = dict(target=str(tiny_target_dir), data=str(tiny_hidden), draft_vocab_size=128, ttt_depth=2,
