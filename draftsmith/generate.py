@@ -65,8 +65,8 @@ class GenerateConfig:
     self_prompt_topics: tuple[str, ...] = ()  # steer the self-written prompts: try i is written under the system
     # message TOPIC_SYSTEM with topic i mod len (recorded with the prompt); none: the template's own system prompt
     original_answers: bool = False  # write each prompt's own answer from its file (GSM8K's solution, Alpaca's output,
-    # ShareGPT's first reply) instead of the target's: the baseline regeneration is measured against. Prompts without
-    # one are skipped and counted; only the tokenizer is loaded
+    # ShareGPT's first reply) instead of the target's: the baseline regeneration is measured against. Answers are kept
+    # whole (max_new_tokens does not cut them); prompts without one are skipped and counted; only the tokenizer loads
 
     def __post_init__(self):
         if not self.prompts:
