@@ -21,7 +21,7 @@ rm -rf "$work" && cp -r "$(cd "$(dirname "$0")/.." && pwd)" "$work" && cd "$work
 mkdir -p "$out"
 source benchmarks/session_steps.sh  # step NAME SECONDS CMD...; OUT/steps.txt
 step engine "${ENGINE_LIMIT:-300}" python3 benchmarks/h200_run.py engine --sections "${SECTIONS:-llama8b_shape}" \
-  --variants "${ENGINE_VARIANTS:-triton_default,triton_sweep}" --rows "${ROWS:-1,8}" \
+  --variants "${ENGINE_VARIANTS:-triton_default,triton_default_nopdl,triton_sweep}" --rows "${ROWS:-1,8}" \
   --sweep "${SWEEP_8B:-bk_max=256;slots=128;early_rows=0,1}" --out "$out/engine8b"
 step wait-gguf "${GGUF_WAIT:-300}" bash -c "until [ -e '$gguf' ]; do sleep 2; done"
 step bench "${BENCH_LIMIT:-900}" python3 benchmarks/h200_run.py bench --gguf "$gguf" --data "$data" \

@@ -453,6 +453,7 @@ TRITON_VARIANTS = {name: {**BASE, **fields} for name, fields in {
 TRITON_VARIANTS["triton_default"] = {}
 TRITON_VARIANTS["triton_default_late"] = {"early_weights": False}  # the default, weights read after the PDL wait (until 3dbfcea)
 TRITON_VARIANTS["triton_default_early1"] = {"early_rows": 1}  # early weights for one-token steps only (the 8B trade)
+TRITON_VARIANTS["triton_default_nopdl"] = {"pdl": False}  # its kernel profiles time each kernel alone (no PDL overlap)
 ENGINE_VARIANTS = ("graphs", "compiled", "compiled_model", "compiled_model_cdt", "compiled_sdpa", "compiled_autotune", "triton",
                    "triton_default", "triton_sweep")  # engine's default --variants
 
