@@ -119,22 +119,22 @@ def phase_train(a):
             lines = [line for line, k in zip(lines, kept) if k]
             records = [r for r, k in zip(records, kept) if k]
             res.update(answer_sources=list(sources or ()), source_fraction=fractions)
-        ids = [r["id"] for r in records]
-        sampled = [line for line, i in zip(lines, ids) if SAMPLE_SEP in i]
-        if sampled:  # the earlier run's sampled answers seed --extra-samples (only new samples are made); with
-            # --extra-samples 0 they are left out: one greedy answer per prompt
-            if a.extra_samples:
-                extra.parent.mkdir(parents=True, exist_ok=True)
-                extra.write_text("".join(sampled))
-            lines = [line for line, i in zip(lines, ids) if SAMPLE_SEP not in i]
+        is_sample = [SAMPLE_SEP in r["id"] for r in records]
+        sampled = [line for line, k in zip(lines, is_sample) if k]
+        if sampled and a.extra_samples:  # the earlier run's sampled answers seed --extra-samples (only new samples are
+            # made); with --extra-samples 0 they are left out: one greedy answer per prompt
+            extra.parent.mkdir(parents=True, exist_ok=True)
+            extra.write_text("".join(sampled))
+        lines = [line for line, k in zip(lines, is_sample) if not k]
+        records = [r for r, k in zip(records, is_sample) if not k]
         answers.parent.mkdir(parents=True, exist_ok=True)
         answers.write_text("".join(lines))
-        own = [r for r in map(json.loads, lines) if r["id"].startswith("self_prompts/")]
+        own = [r for r in records if r["id"].startswith("self_prompts/")]
         if own:  # the target's own prompts come back with their answers: generate goes on from them, ids unchanged
             (answers.parent / generate.SELF_PROMPTS).write_text("".join(json.dumps(
                 {"id": r["id"].split("/", 1)[1], "prompt": r["conversations"][0]["content"]}) + "\n" for r in own))
         res.update(answers_from=a.answers, answers_carried=len(lines), extra_carried=len(sampled) if a.extra_samples else 0,
-                   answer_tokens_carried=sum(r["answer_tokens"] for r in records if SAMPLE_SEP not in r["id"]))
+                   answer_tokens_carried=sum(r["answer_tokens"] for r in records))
     elif a.answers:  # this machine's own file from an earlier call (still warm)
         answers = Path(a.answers)
         res.update(answers_from=a.answers)
@@ -155,7 +155,7 @@ def phase_train(a):
         if "answers" in a.bring_back:  # back at once: a later failure keeps them
             (out / "answers.jsonl.gz").write_bytes(gzip.compress(Path(g.path).read_bytes()))
     train_data = g.path
-    if a.extra_samples and not a.original_answers:  # more text for the chat-like prompts: several sampled answers each, beside the greedy one
+    if a.extra_samples and not a.original_answers:  # more text for the chat-like prompts: sampled answers beside the greedy one
         chat = tuple(p for p in prompts if Path(p).name.startswith(tuple(a.extra_sources.split(","))))
         e = answer(chat, extra.parent, exclude=evals, max_new_tokens=a.max_new, temperature=a.extra_temperature,
                    samples=a.extra_samples, seed=a.extra_seed)  # resumes: samples already there are kept
@@ -173,7 +173,9 @@ def phase_train(a):
     dump(out, "train.json", res)
     print(json.dumps(res), flush=True)
     cfg = dict(target=a.gguf, data=str(train_data), eval_data=eval_data, online=True, device=a.device,
-               target_dtype=a.dtype, ttt_depth=a.depth, eval_depth=a.eval_depth, step_decay=a.step_decay, draft_vocab_size=a.vocab, draft_intermediate_size=a.draft_intermediate, lr=a.lr, batch_tokens=a.batch_tokens, rows_per_pack=a.rows_per_pack,
+               target_dtype=a.dtype, ttt_depth=a.depth, eval_depth=a.eval_depth, step_decay=a.step_decay,
+               draft_vocab_size=a.vocab, draft_intermediate_size=a.draft_intermediate, lr=a.lr, batch_tokens=a.batch_tokens,
+               rows_per_pack=a.rows_per_pack,
                loss_chunk_tokens=a.loss_chunk, eval_fraction=0.02, save_every=200, attn_impl=a.attn_impl,  # --deadline saves on stopping; this bounds a kill
                compile_loss=a.compile_loss)
     if a.attn_impl == "probe":  # decide the TTT attention by measurement: the faster step wins
@@ -894,7 +896,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--train-seconds", type=float, default=170)
     ap.add_argument("--depth", type=int, default=7)
     ap.add_argument("--eval-depth", type=int, help="train: draft steps the scores unroll (default: --depth)")
-    ap.add_argument("--step-decay", type=float, default=0.8, help="train: TTT step j's loss weight is this to the j")
+    ap.add_argument("--step-decay", type=float, default=train.STEP_DECAY, help="train: TTT step j's loss weight is this to the j")
     ap.add_argument("--profile-steps", type=int, default=0, help="train: profile this many steps (from step 10) into"
                     " train.json's train_profile")
     ap.add_argument("--ttt-paths", default=",".join(TTT_PATHS), help="ttt, and bench with the 8B shape: which of TTT_PATHS"

@@ -193,7 +193,8 @@ def write_self_prompts(config: GenerateConfig, target, tok, path: Path) -> int:
         seen |= {normalise(p.turns[0]) for p in read_prompt_file(path)}
     kept = start = len(have)
     tries = first = 1 + max((int(i) for i in have), default=-1)
-    rows = max(1, min(config.batch_size, config.max_batch_tokens // (max(map(len, headers.values())) + config.self_prompt_max_tokens)))
+    longest = max(map(len, headers.values())) + config.self_prompt_max_tokens
+    rows = max(1, min(config.batch_size, config.max_batch_tokens // longest))
     bar = Progress(config.self_prompts, "self-prompts", unit="prompt")
     bar.update(min(kept, config.self_prompts))
     with open(path, "a", encoding="utf-8") as f:
