@@ -2,7 +2,7 @@
 # One device session's job, by the card that came (device_bg.sh start, in the first staging call):
 #   an H200: issue 3's decode session first (decode_session.sh into OUT/decode: the 8B shape, the bench behind
 #            h200-decode.json, the GPU tests; its environment overrides pass through), then NEXT with the time
-#            left before END;
+#            left before END (DECODE=0 skips the decode session: a budget too short for both);
 #   another card: NEXT, then the GPU tests of the kernels and decoding (PYTEST_K) if 200+ s are left.
 # NEXT: "recipe" (the default: recipe_session.sh's arms into OUT/recipe) or "pipeline" (pipeline_session.sh into
 # OUT/pipeline: the whole pipeline and its bench, with TRAIN_STEPS, BENCH_S, PIPE_FLAGS passed through).
@@ -19,7 +19,7 @@ case "$next" in
   recipe|pipeline) ;;
   *) echo "NEXT must be recipe or pipeline, not $next" >&2; exit 2 ;;
 esac
-[[ "$card" == *H200* ]] && bash "$here/decode_session.sh" "$out/decode" "$gguf" "$data"
+[[ "$card" == *H200* && "${DECODE:-1}" != 0 ]] && bash "$here/decode_session.sh" "$out/decode" "$gguf" "$data"
 bash "$here/${next}_session.sh" "$out/$next" "$gguf" "$data" "$end"
 if [[ "$card" != *H200* ]]; then
   left=$(( end - $(date +%s) ))
