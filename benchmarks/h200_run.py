@@ -102,6 +102,7 @@ def phase_train(a):
     answers = RUN / "gen" / "answers.jsonl"
     extra = RUN / "gen-extra" / "answers.jsonl"
     sources = tuple(a.answer_sources.split(",")) if a.answer_sources else None
+    filtered = False  # carried answers cut by --answer-sources / --source-fraction: they are the training set as they are
     if a.original_answers:  # the prompt files' own answers (generate --original-answers), not the target's
         files = tuple(p for p in prompts if not sources or Path(p).name.startswith(sources))
         answers = RUN / "gen-original" / "answers.jsonl"
@@ -119,6 +120,11 @@ def phase_train(a):
             lines = [line for line, k in zip(lines, kept) if k]
             records = [r for r, k in zip(records, kept) if k]
             res.update(answer_sources=list(sources or ()), source_fraction=fractions)
+            filtered = True
+            extra.unlink(missing_ok=True)  # an earlier call's samples on this machine are not this set's
+            if a.resume_generation:
+                raise SystemExit("--resume-generation cannot go with --answer-sources or --source-fraction: generation"
+                                 " would answer again the prompts they leave out; drop one of them")
         is_sample = [SAMPLE_SEP in r["id"] for r in records]
         sampled = [line for line, k in zip(lines, is_sample) if k]
         if sampled and a.extra_samples:  # the earlier run's sampled answers seed --extra-samples (only new samples are
@@ -145,7 +151,8 @@ def phase_train(a):
             target=a.gguf, prompts=prompts, out=str(out), batch_size=a.gen_batch, max_batch_tokens=a.gen_batch_tokens,
             max_prompt_tokens=1024, device=a.device, dtype=a.dtype, **kw))
 
-    if not a.original_answers and (not a.answers or a.resume_generation or a.self_prompts):  # generate resumes
+    # generate resumes (self prompts included); not over a filtered carried set, whose left-out prompts it would answer
+    if not a.original_answers and not filtered and (not a.answers or a.resume_generation or a.self_prompts):
         topics = self_prompt_topics(a.self_prompt_topics)
         g = answer(prompts, answers.parent, exclude=evals, max_new_tokens=a.max_new, max_seconds=a.gen_seconds,
                    self_prompts=a.self_prompts, self_prompt_topics=topics)
@@ -155,7 +162,10 @@ def phase_train(a):
         if "answers" in a.bring_back:  # back at once: a later failure keeps them
             (out / "answers.jsonl.gz").write_bytes(gzip.compress(Path(g.path).read_bytes()))
     train_data = g.path
-    if a.extra_samples and not a.original_answers:  # more text for the chat-like prompts: sampled answers beside the greedy one
+    samples = None
+    if a.extra_samples and not a.original_answers and filtered:  # the kept samples as carried: sampling anew would
+        samples = extra if extra.exists() else None  # answer the prompts the filter left out
+    elif a.extra_samples and not a.original_answers:  # more text for the chat-like prompts: sampled answers beside the greedy one
         chat = tuple(p for p in prompts if Path(p).name.startswith(tuple(a.extra_sources.split(","))))
         e = answer(chat, extra.parent, exclude=evals, max_new_tokens=a.max_new, temperature=a.extra_temperature,
                    samples=a.extra_samples, seed=a.extra_seed)  # resumes: samples already there are kept
@@ -164,9 +174,11 @@ def phase_train(a):
                    extra_generate_s=round(e.seconds, 1))
         if "answers" in a.bring_back:
             (out / "answers-extra.jsonl.gz").write_bytes(gzip.compress(Path(e.path).read_bytes()))
+        samples = Path(e.path)
+    if samples:
         train_data = RUN / "gen-all" / "answers.jsonl"  # held out by prompt: a prompt's answers stay together
         train_data.parent.mkdir(parents=True, exist_ok=True)
-        train_data.write_bytes(Path(g.path).read_bytes() + Path(e.path).read_bytes())
+        train_data.write_bytes(Path(g.path).read_bytes() + samples.read_bytes())
     eval_data = None
     if a.eval_mtbench:  # the target's own answers to MT-bench's first turns, scored every epoch (never trained on)
         eval_data = answer((evals[0],), RUN / "gen-mtbench", max_new_tokens=a.max_new_bench).path
@@ -894,8 +906,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--resume-generation", action="store_true", help="with --answers: answer the prompts it lacks")
     ap.add_argument("--train-steps", type=int, help="schedule steps (skips the timing probe)")
     ap.add_argument("--train-seconds", type=float, default=170)
-    ap.add_argument("--depth", type=int, default=7)
-    ap.add_argument("--eval-depth", type=int, help="train: draft steps the scores unroll (default: --depth)")
+    ap.add_argument("--depth", type=int, default=3, help="train: TTT depth; 3 for SmolLM2 since run 13 (h200-recipe.json"
+                    " full_schedule_run13: +7%% MT-bench score, +9%% chain accept over depth 7 at less training time); the"
+                    " library's default (train --ttt-depth) stays 7")
+    ap.add_argument("--eval-depth", type=int, default=7, help="train: draft steps the scores unroll, whatever --depth is,"
+                    " so that scores compare across depths")
     ap.add_argument("--step-decay", type=float, default=train.STEP_DECAY, help="train: TTT step j's loss weight is this to the j")
     ap.add_argument("--profile-steps", type=int, default=0, help="train: profile this many steps (from step 10) into"
                     " train.json's train_profile")
@@ -905,10 +920,12 @@ def build_parser() -> argparse.ArgumentParser:
                     " each, train with the fastest)")
     ap.add_argument("--compile-loss", action=argparse.BooleanOptionalAction, default=None, help="train: compiled KL (default: on CUDA)")
     ap.add_argument("--ttt-rows", type=int, default=1, help="rows of 2048 tokens in the 8B-shape training step")
-    ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--export-vocab", type=int, default=8192, help="train: also export the drafter with its draft vocab cut"
+    ap.add_argument("--vocab", type=int, default=8192, help="train: draft vocab (8,192 since run 13: as good as 32,000 in"
+                    " the recipe arms, a cheaper step; runs 1-12 trained 32,000)")
+    ap.add_argument("--export-vocab", type=int, default=0, help="train: also export the drafter with its draft vocab cut"
                     " to this many tokens (export --draft-vocab), which the bench of this run's drafter then runs; 0: bench"
-                    " the trained vocab (runs 1-12 did)")
+                    " the trained vocab (runs 1-10, 12 and 13 did; run 12's 32K head cut to 8,192 lost 1.5%% of its accept"
+                    " length on the CPU)")
     ap.add_argument("--draft-intermediate", type=int, help="train: the drafter's MLP width (default: the target's)")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--batch-tokens", type=int, default=2048)

@@ -4,24 +4,22 @@
 # same number of steps, judged by the MT-bench score (the simulated accept length on the target's own MT-bench
 # answers) and the held-out split. Arms run in the order given and one is skipped when what is left before END
 # would not hold it (the longest arm so far, plus a margin), so the most wanted come first.
-#   ARMS: "name:flags;name:flags;..." (h200_run.py train flags over the shared ones below); default: run 12's data
-#   (base), lr 2e-3, regenerated against original answers on the prompts that carry their own (GSM8K, self-instruct,
-#   Alpaca: greedy answers only), TTT depth 3 (scored over 7 steps like the rest), a draft vocab of 8,192 in training, lr 5e-4,
-#   the data mix with 30% of GSM8K's prompts (7,473 of the 12,369 files' prompts), TTT depth 5, depth 7 with the
-#   steps' loss weights 0.5^j instead of 0.8^j (more of the loss on the first steps, where depth 3 gained).
-#   ARM_STEPS: steps an arm (600); ANSWERS: the carried answers.jsonl.gz (/tmp/answers12.jsonl.gz); ARM_FLAGS: more
+#   ARMS: "name:flags;name:flags;..." (h200_run.py train flags over the shared ones below); default: run 13's recipe
+#   (base: the h200_run.py defaults, TTT depth 3, draft vocab 8,192, every carried answer), then the data mix (no
+#   self-written prompts; no sampled answers; 30% of GSM8K's prompts, 7,473 of the 12,369 files' prompts), TTT depth
+#   5 and 2 (scored over 7 steps like the rest), the steps' loss weights 0.5^j instead of 0.8^j, lr 2e-3. The arms
+#   measured at a44c107 against depth 7 and a 32K vocab (h200-recipe.json ablation_2026_12_06) are that commit's list.
+#   ARM_STEPS: steps an arm (900); ANSWERS: the carried answers.jsonl.gz (/tmp/answers12.jsonl.gz); ARM_FLAGS: more
 #   flags for every arm (a CPU smoke: --device cpu --dtype float32 --attn-impl eager ...).
 # Each arm writes OUT/<name>/train.json and metrics.jsonl.gz; OUT/arms.tar.gz holds them all (refreshed after each
 # arm) and OUT/summary.jsonl one line an arm. OUT/steps.txt as in the other session scripts; OUT/done at the end.
 # usage: bash benchmarks/recipe_session.sh OUT GGUF DATA END
 set -uo pipefail
 out=${1:?usage: recipe_session.sh OUT GGUF DATA END} gguf=${2:?GGUF} data=${3:?DATA} end=${4:?END (unix time)}
-answers=${ANSWERS:-/tmp/answers12.jsonl.gz} steps=${ARM_STEPS:-600}
+answers=${ANSWERS:-/tmp/answers12.jsonl.gz} steps=${ARM_STEPS:-900}
 subset=gsm8k,self_instruct,alpaca  # the prompt files that carry their own answers (UltraChat's subset: questions only)
-arms=${ARMS:-"base:;lr2e-3:--lr 2e-3;regen-subset:--answer-sources $subset --self-prompts 0 --extra-samples 0;\
-original-subset:--original-answers --answer-sources $subset --self-prompts 0 --extra-samples 0;depth3:--depth 3 --eval-depth 7;\
-vocab8k:--vocab 8192;lr5e-4:--lr 5e-4;gsm8k-0.3:--source-fraction gsm8k=0.3;depth5:--depth 5 --eval-depth 7;\
-decay0.5:--step-decay 0.5"}
+arms=${ARMS:-"base:;no-self:--source-fraction self_prompts=0;no-samples:--extra-samples 0;\
+gsm8k-0.3:--source-fraction gsm8k=0.3;depth5:--depth 5;decay0.5:--step-decay 0.5;lr2e-3:--lr 2e-3;depth2:--depth 2"}
 # run from a copy: a later device call re-copies the working tree under a running job (a missing module mid-import)
 work=/tmp/recipe-session-tree
 rm -rf "$work" && cp -r "$(cd "$(dirname "$0")/.." && pwd)" "$work" && cd "$work" || exit 1

@@ -9,6 +9,17 @@ from helpers import tiny_drafter
 from draftsmith.target import load_target
 
 
+def h200_run():
+    """benchmarks/h200_run.py as a module (the device driver: not part of the package)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("h200_run", Path(__file__).parents[1] / "benchmarks" / "h200_run.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def write_prompts(path):
     path.write_text("".join(json.dumps({"question_id": i, "turns": [f"Tell me about {w}.", "More?"]}) + "\n"
                             for i, w in enumerate(["the sea", "Paris", "a fox", "code"])))
@@ -58,12 +69,8 @@ def test_small_benchmarks_spread_over_the_file():
 def test_device_bench_fails_loudly_when_speculation_disagrees():
     """benchmarks/h200_run.py exits non-zero (after writing its results) when bf16 speculation agrees
     with plain greedy decoding on < 99% of tokens, fp32 speculation is not exact, or the section broke."""
-    import importlib.util
-    from pathlib import Path
 
-    spec = importlib.util.spec_from_file_location("h200_run", Path(__file__).parents[1] / "benchmarks" / "h200_run.py")
-    h200 = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(h200)
+    h200 = h200_run()
     good = {"smollm2": {"chain5": {"greedy_agreement": 1.0}, "tree": {"greedy_agreement": 0.994}, "fp32_exact_runs": "16/16"}}
     assert h200.failed_checks(good) == []
     low = {"smollm2": {**good["smollm2"], "tree": {"greedy_agreement": 0.985}}}
@@ -88,7 +95,6 @@ def test_the_device_jobs_default_sweep_and_variants_are_ones_the_scripts_take():
     knows (ENGINE_VARIANTS or TRITON_VARIANTS), and its 8B sweep must parse into valid kernels.Tuning values
     of the fields' own types (switches as bools), every combination of them a Tuning. A field that is not
     one is refused by name, before any GPU time."""
-    import importlib.util
     import itertools
     import re
     from pathlib import Path
@@ -96,9 +102,7 @@ def test_the_device_jobs_default_sweep_and_variants_are_ones_the_scripts_take():
     from draftsmith.kernels import Tuning
 
     root = Path(__file__).parents[1]
-    spec = importlib.util.spec_from_file_location("h200_run", root / "benchmarks" / "h200_run.py")
-    h200 = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(h200)
+    h200 = h200_run()
     script = (root / "benchmarks" / "engine_session.sh").read_text()
     variants = re.search(r"variants=\$\{2:-([^}]+)\}", script).group(1).split(",")
     assert all(v in h200.ENGINE_VARIANTS or v in h200.TRITON_VARIANTS for v in variants), variants
@@ -113,7 +117,6 @@ def test_decode_sessions_defaults_are_variants_and_sweeps_the_scripts_take():
     """decode_session.sh's default engine and bench variants are ones h200_run.py knows, and its two sweeps
     parse into kernels.Tuning fields whose every combination is a Tuning (a field removed from Tuning, as
     gate_ksplit was, fails here rather than on the device)."""
-    import importlib.util
     import itertools
     import re
     from pathlib import Path
@@ -121,9 +124,7 @@ def test_decode_sessions_defaults_are_variants_and_sweeps_the_scripts_take():
     from draftsmith.kernels import Tuning
 
     root = Path(__file__).parents[1]
-    spec = importlib.util.spec_from_file_location("h200_run", root / "benchmarks" / "h200_run.py")
-    h200 = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(h200)
+    h200 = h200_run()
     script = (root / "benchmarks" / "decode_session.sh").read_text()
     for name in ("ENGINE_VARIANTS", "BENCH_VARIANTS"):
         variants = re.search(rf"\$\{{{name}:-([^}}]+)\}}", script).group(1).split(",")
@@ -159,14 +160,9 @@ def test_the_device_job_benches_the_fastest_engine_variant_that_matches_the_plai
 def test_the_device_benchs_sampled_trees_parse_into_tree_specs():
     """h200_run.py bench --sampled-trees: a way of drafting for the bench's own tree, a shape, or both;
     an unknown way is refused by TreeSpec before any GPU time."""
-    import importlib.util
-    from pathlib import Path
-
     from draftsmith.decode import TreeSpec
 
-    spec = importlib.util.spec_from_file_location("h200_run", Path(__file__).parents[1] / "benchmarks" / "h200_run.py")
-    h200 = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(h200)
+    h200 = h200_run()
     tree = TreeSpec(8, 6, 48)
     got = h200.sampled_trees("top,sample,16x6x48:sample,16x4x48", tree)
     assert got == {"top": TreeSpec(8, 6, 48, "top"), "sample": TreeSpec(8, 6, 48, "sample"),
@@ -185,15 +181,12 @@ def test_the_recipe_sessions_default_arms_are_flags_the_script_takes():
     """recipe_session.sh's default arms reach the device untried: each arm's flags, after the shared ones, must
     parse as h200_run.py train flags (a typo would cost the arm's device time), and --source-fraction keeps a
     stable hashed share of a file's prompts, a prompt's samples with it, other files whole."""
-    import importlib.util
     import re
     import shlex
     from pathlib import Path
 
     root = Path(__file__).parents[1]
-    spec = importlib.util.spec_from_file_location("h200_run", root / "benchmarks" / "h200_run.py")
-    h200 = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(h200)
+    h200 = h200_run()
     script = (root / "benchmarks" / "recipe_session.sh").read_text()
     subset = re.search(r"^subset=(\S+)", script, re.M).group(1)
     arms = re.search(r'arms=\$\{ARMS:-"(.*?)"\}', script, re.S).group(1).replace("\\\n", "").replace("$subset", subset)
@@ -219,3 +212,74 @@ def test_the_recipe_sessions_default_arms_are_flags_the_script_takes():
     assert not h200.carried({"id": "alpaca_seed_tasks/1", "source": "alpaca_seed_tasks.jsonl"}, ("gsm8k",), {})
     with pytest.raises(SystemExit, match="PREFIX=F"):
         h200.source_fractions("gsm8k=2")
+
+
+def test_a_filtered_carried_answer_set_is_trained_as_it_is(tmp_path, monkeypatch):
+    """h200_run.py train --answers X.gz --source-fraction / --answer-sources (the recipe's data-mix arms): the kept
+    answers, their samples with them, are the training set. No generation runs over the prompt files (it would answer
+    again the prompts the filter left out), and an earlier call's samples on the machine are not mixed in; without a
+    filter the same command resumes generation as before."""
+    import gzip
+    from pathlib import Path
+
+    from draftsmith import generate
+
+    h200 = h200_run()
+    data = tmp_path / "data"
+    (data / "prompts").mkdir(parents=True)
+    for name in ("gsm8k_train.jsonl", "sharegpt_v3_filtered_500.json"):
+        (data / "prompts" / name).write_text("")
+
+    def record(rid, source):
+        return {"id": rid, "source": source, "conversations": [{"role": "user", "content": rid}], "answer_tokens": 3}
+    records = [record(f"gsm8k_train/{i}", "gsm8k_train.jsonl") for i in range(200)]
+    records += [record(f"sharegpt/{i}{s}", "sharegpt_v3_filtered_500.json") for i in range(20)
+                for s in ("", f"{h200.SAMPLE_SEP}0", f"{h200.SAMPLE_SEP}1")]
+    records += [record(f"self_prompts/{i}", "self_prompts.jsonl") for i in range(30)]
+    carried = tmp_path / "answers.jsonl.gz"
+    carried.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in records).encode()))
+    run_dir = tmp_path / "run"
+    monkeypatch.setattr(h200, "RUN", run_dir)
+    stale = run_dir / "gen-extra" / "answers.jsonl"
+    stale.parent.mkdir(parents=True)
+    stale.write_text(json.dumps(record(f"stale{h200.SAMPLE_SEP}0", "sharegpt_v3_filtered_500.json")) + "\n")
+    generated, trained = [], []
+
+    def fake_generate(cfg):  # the target answers nothing here: the call is what is checked
+        generated.append(sorted(Path(p).name for p in cfg.prompts))
+        path = Path(cfg.out) / "answers.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch()
+        return generate.GenerateResult(str(path), 0, 0, 0, 0, 0.0)
+
+    class Stop(Exception):
+        pass
+
+    def fake_train(cfg):
+        trained.append({json.loads(line)["id"] for line in Path(cfg.data).read_text().splitlines()})
+        raise Stop
+
+    monkeypatch.setattr(h200.generate, "run", fake_generate)
+    monkeypatch.setattr(h200.train, "run", fake_train)
+
+    def train_on(*flags):
+        generated.clear()
+        a = h200.build_parser().parse_args(["train", "--gguf", "g", "--data", str(data), "--answers", str(carried),
+                                            "--train-steps", "5", "--device", "cpu", *flags, "--out", str(tmp_path / "out")])
+        (tmp_path / "out").mkdir(exist_ok=True)
+        with pytest.raises(Stop):
+            h200.phase_train(a)
+        return trained[-1]
+
+    fractions = h200.source_fractions("gsm8k=0.3,self_prompts=0")
+    kept = {r["id"] for r in records if h200.carried(r, None, fractions)}
+    assert train_on("--source-fraction", "gsm8k=0.3,self_prompts=0") == kept
+    assert generated == [["mt_bench.jsonl"]]  # the MT-bench answers the score needs, nothing else
+    assert 40 < sum(i.startswith("gsm8k") for i in kept) < 80 and not any(i.startswith("self") for i in kept)
+    assert sum(h200.SAMPLE_SEP in i for i in kept) == 40  # every sharegpt sample, none stale
+    assert train_on("--answer-sources", "gsm8k") == {r["id"] for r in records if r["source"].startswith("gsm8k")}
+    assert generated == [["mt_bench.jsonl"]]
+    with pytest.raises(SystemExit, match="--resume-generation cannot go with"):
+        train_on("--source-fraction", "gsm8k=0.3", "--resume-generation")
+    train_on()  # no filter: generation resumes over the prompt files (self prompts, samples), as in runs 12 and 13
+    assert generated[:2] == [["gsm8k_train.jsonl", "sharegpt_v3_filtered_500.json"], ["sharegpt_v3_filtered_500.json"]]
