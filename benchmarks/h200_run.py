@@ -211,7 +211,7 @@ def phase_train(a):
     budget = a.deadline - time.time() - 45 if a.deadline else None  # 45 s kept for evaluation and export
     t2 = time.perf_counter()
     tr = train.run(train.TrainConfig(out=str(RUN / f"train{a.tag}"), schedule_steps=steps, max_seconds=budget,
-                                     profile_steps=a.profile_steps, **cfg))
+                                     profile_steps=a.profile_steps, profile_from=a.profile_from, **cfg))
     if (RUN / f"train{a.tag}" / "profile.json").exists():  # where a training step's time went
         res["train_profile"] = json.loads((RUN / f"train{a.tag}" / "profile.json").read_text())
     res.update(train_s=round(time.perf_counter() - t2, 1), train_steps=tr.steps, train_loop_s=round(tr.loop_seconds, 1),
@@ -912,8 +912,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--eval-depth", type=int, default=7, help="train: draft steps the scores unroll, whatever --depth is,"
                     " so that scores compare across depths")
     ap.add_argument("--step-decay", type=float, default=train.STEP_DECAY, help="train: TTT step j's loss weight is this to the j")
-    ap.add_argument("--profile-steps", type=int, default=0, help="train: profile this many steps (from step 10) into"
+    ap.add_argument("--profile-steps", type=int, default=0, help="train: profile this many steps (from --profile-from) into"
                     " train.json's train_profile")
+    ap.add_argument("--profile-from", type=int, default=10, help="train: the first profiled step (late, e.g. 1000: compiled"
+                    " shapes and caches settled; run 13's profile at step 10 took 210 ms a step against 91 ms on average)")
     ap.add_argument("--ttt-paths", default=",".join(TTT_PATHS), help="ttt, and bench with the 8B shape: which of TTT_PATHS"
                     " to time (train_8b alone gives train_mfu_8b)")
     ap.add_argument("--attn-impl", default="auto", help="train: TTT attention (auto | eager | flex | split | probe: time"

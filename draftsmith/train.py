@@ -114,8 +114,9 @@ class TrainConfig:
     # a rerun resumes with the schedule intact, so a long run can be cut into time-boxed calls
     device: str = "cpu"
     target_dtype: str = "float32"  # online: the target's compute dtype
-    profile_steps: int = 0  # profile this many steps after the first 10 (torch.profiler) into profile.json: where a
+    profile_steps: int = 0  # profile this many steps from step profile_from (torch.profiler) into profile.json: where a
     # step's time goes (device kernels vs host), for speeding training up
+    profile_from: int = 10  # the first profiled step; late in a run (e.g. 1000) compiled shapes and caches have settled
 
     def __post_init__(self):
         if self.ttt_depth < 1 or self.epochs < 1 or self.batch_tokens < 16 or (self.eval_depth is not None and self.eval_depth < 1):
@@ -678,7 +679,7 @@ def train(config: TrainConfig, world: World) -> TrainResult:
     model.train()
     limit = min(config.max_steps or total, total)
     loop_seconds = 0.0
-    profiler = StepProfile(out / "profile.json", 10, config.profile_steps if world.main else 0)
+    profiler = StepProfile(out / "profile.json", config.profile_from, config.profile_steps if world.main else 0)
 
     def out_of_time() -> bool:  # every rank stops at the same step: rank 0's clock decides
         return config.max_seconds is not None and gather(world, [time.perf_counter() - t0 > config.max_seconds])[0]

@@ -311,7 +311,8 @@ def test_training_without_tensorboard_says_so_once(tiny_target_dir, tiny_hidden,
 
 
 def test_profiled_steps_say_where_the_time_goes(tiny_target_dir, tiny_hidden, tmp_path):
-    """profile_steps writes profile.json after steps 10..10+n-1; the run's results are those of an unprofiled run."""
+    """profile_steps writes profile.json after steps profile_from..profile_from+n-1 (10 by default); the run's results
+    are those of an unprofiled run."""
     common = dict(target=str(tiny_target_dir), data=str(tiny_hidden), draft_vocab_size=128, ttt_depth=2, batch_tokens=64,
                   eval_fraction=0.25, schedule_steps=13, lr=1e-3)
     plain = run(TrainConfig(out=str(tmp_path / "plain"), **common))
@@ -321,6 +322,8 @@ def test_profiled_steps_say_where_the_time_goes(tiny_target_dir, tiny_hidden, tm
     assert any("mm" in name for name in prof["top_host_self_ms_per_step"])  # the step's matmuls were seen
     assert not (tmp_path / "plain" / "profile.json").exists()
     assert profiled.eval["loss"] == plain.eval["loss"]
+    run(TrainConfig(out=str(tmp_path / "late"), profile_steps=1, profile_from=12, **common))
+    assert json.loads((tmp_path / "late" / "profile.json").read_text())["from_step"] == 12
 
 
 def test_a_wider_drafter_mlp_trains_and_exports_its_width(tiny_target_dir, tiny_hidden, tmp_path):
