@@ -162,10 +162,10 @@ def phase_train(a):
         if "answers" in a.bring_back:  # back at once: a later failure keeps them
             (out / "answers.jsonl.gz").write_bytes(gzip.compress(Path(g.path).read_bytes()))
     train_data = g.path
-    samples = None
-    if a.extra_samples and not a.original_answers and filtered:  # the kept samples as carried: sampling anew would
+    samples = None  # sampled answers trained on beside the greedy ones
+    if a.extra_samples and not a.original_answers and filtered:  # the kept ones as carried: sampling anew would
         samples = extra if extra.exists() else None  # answer the prompts the filter left out
-    elif a.extra_samples and not a.original_answers:  # more text for the chat-like prompts: sampled answers beside the greedy one
+    elif a.extra_samples and not a.original_answers:  # more text for the chat-like prompts
         chat = tuple(p for p in prompts if Path(p).name.startswith(tuple(a.extra_sources.split(","))))
         e = answer(chat, extra.parent, exclude=evals, max_new_tokens=a.max_new, temperature=a.extra_temperature,
                    samples=a.extra_samples, seed=a.extra_seed)  # resumes: samples already there are kept
@@ -907,15 +907,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--train-steps", type=int, help="schedule steps (skips the timing probe)")
     ap.add_argument("--train-seconds", type=float, default=170)
     ap.add_argument("--depth", type=int, default=3, help="train: TTT depth; 3 for SmolLM2 since run 13 (h200-recipe.json"
-                    " full_schedule_run13: +7%% MT-bench score, +9%% chain accept over depth 7 at less training time); the"
+                    " finding_run13: +7%% MT-bench score, +9%% chain accept over depth 7 at less training time); the"
                     " library's default (train --ttt-depth) stays 7")
     ap.add_argument("--eval-depth", type=int, default=7, help="train: draft steps the scores unroll, whatever --depth is,"
                     " so that scores compare across depths")
     ap.add_argument("--step-decay", type=float, default=train.STEP_DECAY, help="train: TTT step j's loss weight is this to the j")
     ap.add_argument("--profile-steps", type=int, default=0, help="train: profile this many steps (from --profile-from) into"
                     " train.json's train_profile")
-    ap.add_argument("--profile-from", type=int, default=10, help="train: the first profiled step (late, e.g. 1000: compiled"
-                    " shapes and caches settled; run 13's profile at step 10 took 210 ms a step against 91 ms on average)")
+    ap.add_argument("--profile-from", type=int, default=10, help="train: the first profiled step; late (e.g. 1000) the compiled"
+                    " shapes and caches have settled")
     ap.add_argument("--ttt-paths", default=",".join(TTT_PATHS), help="ttt, and bench with the 8B shape: which of TTT_PATHS"
                     " to time (train_8b alone gives train_mfu_8b)")
     ap.add_argument("--attn-impl", default="auto", help="train: TTT attention (auto | eager | flex | split | probe: time"
@@ -926,8 +926,8 @@ def build_parser() -> argparse.ArgumentParser:
                     " the recipe arms, a cheaper step; runs 1-12 trained 32,000)")
     ap.add_argument("--export-vocab", type=int, default=0, help="train: also export the drafter with its draft vocab cut"
                     " to this many tokens (export --draft-vocab), which the bench of this run's drafter then runs; 0: bench"
-                    " the trained vocab (runs 1-10, 12 and 13 did; run 12's 32K head cut to 8,192 lost 1.5%% of its accept"
-                    " length on the CPU)")
+                    " the trained vocab (runs 1-13 did; run 12's 32K head cut to 8,192 lost 1.5%% of its accept length on"
+                    " the CPU)")
     ap.add_argument("--draft-intermediate", type=int, help="train: the drafter's MLP width (default: the target's)")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--batch-tokens", type=int, default=2048)

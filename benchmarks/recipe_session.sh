@@ -17,7 +17,7 @@
 set -uo pipefail
 out=${1:?usage: recipe_session.sh OUT GGUF DATA END} gguf=${2:?GGUF} data=${3:?DATA} end=${4:?END (unix time)}
 answers=${ANSWERS:-/tmp/answers12.jsonl.gz} steps=${ARM_STEPS:-900}
-subset=gsm8k,self_instruct,alpaca  # the prompt files that carry their own answers (UltraChat's subset: questions only)
+subset=gsm8k,self_instruct,alpaca  # the files that carry their own answers, for ARMS as a44c107's (regen/original-subset)
 arms=${ARMS:-"base:;no-self:--source-fraction self_prompts=0;no-samples:--extra-samples 0;\
 gsm8k-0.3:--source-fraction gsm8k=0.3;depth5:--depth 5;decay0.5:--step-decay 0.5;lr2e-3:--lr 2e-3;depth2:--depth 2"}
 # run from a copy: a later device call re-copies the working tree under a running job (a missing module mid-import)
