@@ -5,10 +5,11 @@
 # answers) and the held-out split. Arms run in the order given and one is skipped when what is left before END
 # would not hold it (the longest arm so far, plus a margin), so the most wanted come first.
 #   ARMS: "name:flags;name:flags;..." (h200_run.py train flags over the shared ones below); default: run 13's recipe
-#   (base: the h200_run.py defaults, TTT depth 3, draft vocab 8,192, every carried answer), then the data mix (no
-#   self-written prompts; no sampled answers; 30% of GSM8K's prompts, 7,473 of the 12,369 files' prompts), TTT depth
-#   5 and 2 (scored over 7 steps like the rest), the steps' loss weights 0.5^j instead of 0.8^j, lr 2e-3. The arms
-#   measured at a44c107 against depth 7 and a 32K vocab (h200-recipe.json ablation_2026_12_06) are that commit's list.
+#   (base: the h200_run.py defaults, TTT depth 3, draft vocab 8,192, every carried answer), then the axes not yet
+#   measured at it: the steps' loss weights 0.5^j instead of 0.8^j, TTT depth 2 (scored over 7 steps like the rest),
+#   lr 2e-3. The earlier lists are in h200-recipe.json: a44c107's against depth 7 and a 32K vocab
+#   (ablation_2026_12_06), a53270c's data mix (ablation_data_mix: no-self "--source-fraction self_prompts=0",
+#   no-samples "--extra-samples 0", gsm8k-0.3 "--source-fraction gsm8k=0.3", depth5 "--depth 5").
 #   ARM_STEPS: steps an arm (900); ANSWERS: the carried answers.jsonl.gz (/tmp/answers12.jsonl.gz); ARM_FLAGS: more
 #   flags for every arm (a CPU smoke: --device cpu --dtype float32 --attn-impl eager ...).
 # Each arm writes OUT/<name>/train.json and metrics.jsonl.gz; OUT/arms.tar.gz holds them all (refreshed after each
@@ -18,8 +19,7 @@ set -uo pipefail
 out=${1:?usage: recipe_session.sh OUT GGUF DATA END} gguf=${2:?GGUF} data=${3:?DATA} end=${4:?END (unix time)}
 answers=${ANSWERS:-/tmp/answers12.jsonl.gz} steps=${ARM_STEPS:-900}
 subset=gsm8k,self_instruct,alpaca  # the files that carry their own answers, for ARMS as a44c107's (regen/original-subset)
-arms=${ARMS:-"base:;no-self:--source-fraction self_prompts=0;no-samples:--extra-samples 0;\
-gsm8k-0.3:--source-fraction gsm8k=0.3;depth5:--depth 5;decay0.5:--step-decay 0.5;lr2e-3:--lr 2e-3;depth2:--depth 2"}
+arms=${ARMS:-"base:;decay0.5:--step-decay 0.5;depth2:--depth 2;lr2e-3:--lr 2e-3"}
 # run from a copy: a later device call re-copies the working tree under a running job (a missing module mid-import)
 work=/tmp/recipe-session-tree
 rm -rf "$work" && cp -r "$(cd "$(dirname "$0")/.." && pwd)" "$work" && cd "$work" || exit 1
