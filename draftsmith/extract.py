@@ -185,7 +185,9 @@ class HiddenStates:
         self.folder = Path(folder)
         self.manifest = load_manifest(self.folder)
         if not self.manifest["shards"]:
-            raise FileNotFoundError(f"{folder} has no extracted shards ({MANIFEST} missing or empty); run extract first")
+            hint = ("; to train on answers without extracting, run train with --online" if self.folder.is_file()
+                    else "; run extract first")
+            raise FileNotFoundError(f"{folder} has no extracted shards ({MANIFEST} missing or empty){hint}")
         self.index = [(s, k) for s, shard in enumerate(self.manifest["shards"]) for k in range(len(shard["ids"]))]
         self.ids = [i for shard in self.manifest["shards"] for i in shard["ids"]]
         self._shards: dict[int, dict] = {}

@@ -55,3 +55,13 @@ def test_not_answers_file_is_a_clear_error(tiny_target_dir, tmp_path):
     bad.write_text(json.dumps({"question": "hi"}) + "\n")
     with pytest.raises(ValueError, match="conversations"):
         extract.run(ExtractConfig(target=str(tiny_target_dir), data=str(bad), out=str(tmp_path / "o")))
+
+
+def test_training_offline_on_what_is_not_extracted_says_what_to_do(tmp_path):
+    """An answers file given to offline training points at --online; an empty folder at extract."""
+    answers = tmp_path / "answers.jsonl"
+    answers.write_text(json.dumps({"conversations": [{"role": "user", "content": "hi"}]}) + "\n")
+    with pytest.raises(FileNotFoundError, match="--online"):
+        extract.HiddenStates(answers)
+    with pytest.raises(FileNotFoundError, match="run extract first"):
+        extract.HiddenStates(tmp_path)
