@@ -52,6 +52,7 @@ h = r.get("heldout") or {}
 print(json.dumps({"arm": name, "flags": flags, "wall_s": int(took), "steps": r.get("train_steps"),
                   "finished": r.get("finished"), "train_loop_s": r.get("train_loop_s"),
                   "mtbench_score": (h.get("eval_data") or {}).get("accept_length"),
+                  "mtbench_score_t1": (h.get("eval_data") or {}).get("accept_length_t1"),
                   "heldout_accept_length": h.get("accept_length"), "error": r.get("error")}))
 EOF
   tail -1 "$out/summary.jsonl"

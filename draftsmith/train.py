@@ -45,7 +45,7 @@ import os
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
-from itertools import islice
+from itertools import islice, repeat
 from pathlib import Path
 
 import torch
@@ -296,36 +296,65 @@ def compiled_kl_terms():
     return torch.compile(kl_terms)
 
 
-def chunk_kl(drafter: Eagle3Drafter, hidden: torch.Tensor, log_p, index: torch.Tensor, compiled: bool):
-    """kl_terms for n draft outputs hidden (n, H) against the target log-probs log_p(index) (n, Vd)."""
+def overlap_terms(q: torch.Tensor, log_p: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
+    """Each row's chance that one token drawn from the draft at T=1 is kept by speculative sampling
+    (x ~ q kept with probability min(1, p(x)/q(x))): sum over the draft vocab of min(p, q), p the target's
+    whole-vocab probabilities of the draft tokens: log_p (renormalised over the draft vocab) times mass
+    (the target's probability on the draft vocab). Draft logits q (n, Vd), log_p (n, Vd), mass (n,) -> (n,)."""
+    return torch.minimum(log_p.exp() * mass[:, None], F.softmax(q.float(), dim=-1)).sum(-1)
+
+
+@torch.no_grad()
+def vocab_mass(head: torch.Tensor, full_head: torch.Tensor, final: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The target's probability on the draft vocab at each target row in rows (N,) -> (N,) fp32 (1 when the
+    draft vocab is the whole vocab): head (Vd, H) the draft rows of full_head (V, H). Each distinct row once,
+    at most ~256 MB of (rows, V) fp32 logits at a time."""
+    need, index = torch.unique(rows, return_inverse=True)
+    per = max(1, (256 << 20) // (4 * full_head.shape[0]))
+    lse = [torch.logsumexp((f.to(head.dtype) @ head.T).float(), -1) - torch.logsumexp((f.to(head.dtype) @ full_head.T).float(), -1)
+           for f in final[need].split(per)]
+    if not lse:
+        return torch.ones(0, device=final.device)
+    return torch.cat(lse).exp().clamp(max=1.0)[index]
+
+
+def chunk_kl(drafter: Eagle3Drafter, hidden: torch.Tensor, log_p, index: torch.Tensor, compiled: bool, mass=None):
+    """kl_terms for n draft outputs hidden (n, H) against the target log-probs log_p(index) (n, Vd); with
+    mass (n,) (evaluation), each row's T=1 acceptance (overlap_terms) as a third output."""
     q = drafter.logits(hidden)  # (n, Vd)
     with torch.no_grad():
         target = log_p(index)
-    return (compiled_kl_terms() if compiled else kl_terms)(q, target)
+    kl, ids = (compiled_kl_terms() if compiled else kl_terms)(q, target)
+    if mass is None:
+        return kl, ids
+    return kl, ids, overlap_terms(q.detach(), target, mass)
 
 
-def step_kl(drafter: Eagle3Drafter, hidden: torch.Tensor, log_p, index: torch.Tensor, chunk: int | None, compiled: bool):
+def step_kl(drafter: Eagle3Drafter, hidden: torch.Tensor, log_p, index: torch.Tensor, chunk: int | None, compiled: bool,
+            mass: torch.Tensor | None = None):
     """chunk_kl over all n rows of a step; past `chunk` rows (None or 0: never), `chunk` at a time under
     activation checkpointing, so backward recomputes each chunk's (chunk, Vd) logits instead of keeping them."""
     if not chunk or len(hidden) <= chunk:
-        return chunk_kl(drafter, hidden, log_p, index, compiled)
-    pieces = zip(hidden.split(chunk), index.split(chunk))
+        return chunk_kl(drafter, hidden, log_p, index, compiled, mass)
+    pieces = zip(hidden.split(chunk), index.split(chunk), mass.split(chunk) if mass is not None else repeat(None))
     if torch.is_grad_enabled():
-        parts = [checkpoint(chunk_kl, drafter, h, log_p, i, compiled, use_reentrant=False, preserve_rng_state=False)
-                 for h, i in pieces]
+        parts = [checkpoint(chunk_kl, drafter, h, log_p, i, compiled, m, use_reentrant=False, preserve_rng_state=False)
+                 for h, i, m in pieces]
     else:  # evaluation: no graph keeps a chunk alive
-        parts = [chunk_kl(drafter, h, log_p, i, compiled) for h, i in pieces]
-    return torch.cat([kl for kl, _ in parts]), torch.cat([ids for _, ids in parts])
+        parts = [chunk_kl(drafter, h, log_p, i, compiled, m) for h, i, m in pieces]
+    return tuple(torch.cat(column) for column in zip(*parts))
 
 
 def ttt_loss(drafter: Eagle3Drafter, head: torch.Tensor, batch: dict, depth: int, chunk_tokens: int | None = None, *,
              target_cache_mb: int = 4096, attn_impl: str = "auto", compile_loss: bool | None = None,
-             step_decay: float = STEP_DECAY):
+             step_decay: float = STEP_DECAY, full_head: torch.Tensor | None = None):
     """Weighted TTT loss plus per-step (loss_j, acc_j, count_j) over a packed (B, T) batch; loss_j
     is the mean over the step's scored tokens in all B rows. head: (Vd, H) target rows. chunk_tokens
     bounds the scored tokens whose (n, Vd) logits exist at once (step_kl); target_cache_mb the target's
     log-probs kept for the whole pack (target_table). attn_impl goes to Eagle3Drafter.ttt; compile_loss
-    (None: on CUDA) runs kl_terms compiled. Step j's loss weighs step_decay**j."""
+    (None: on CUDA) runs kl_terms compiled. Step j's loss weighs step_decay**j. With full_head, the
+    target's whole (V, H) head, and outside autograd (evaluation), each step's stats also carry overlap_j,
+    the mean chance a T=1 draft token is kept (overlap_terms): (loss_j, acc_j, count_j, overlap_j)."""
     ids = batch["input_ids"].long()
     dtype = drafter.fc.weight.dtype
     compiled = ids.is_cuda if compile_loss is None else compile_loss
@@ -336,19 +365,23 @@ def ttt_loss(drafter: Eagle3Drafter, head: torch.Tensor, batch: dict, depth: int
     nxt = hit[:, 1] + 1 + hit[:, 0]  # (N,) the target rows they are scored against, never in another batch row (scored())
     final, argmax = batch["final"].flatten(0, 1), batch["argmax"].long().flatten()  # (B*T, H), (B*T,)
     log_p, index = target_table(head, final, nxt, chunk_tokens, target_cache_mb)
-    total, losses, accs = 0.0, [], []
-    for j, (h, r, n, i) in enumerate(zip(outs, *(t.split(counts) for t in (hit[:, 1], nxt, index)))):
+    mass = vocab_mass(head, full_head, final, nxt) if full_head is not None and not torch.is_grad_enabled() else None
+    total, losses, accs, overlaps = 0.0, [], [], []
+    masses = mass.split(counts) if mass is not None else repeat(None)
+    for j, (h, r, n, i, m) in enumerate(zip(outs, *(t.split(counts) for t in (hit[:, 1], nxt, index)), masses)):
         if not len(r):
-            losses.append(torch.zeros((), device=ids.device))
-            accs.append(torch.zeros((), device=ids.device))
+            for column in (losses, accs, overlaps):
+                column.append(torch.zeros((), device=ids.device))
             continue
-        kl, pred = step_kl(drafter, h.flatten(0, 1)[r], log_p, i, chunk_tokens, compiled)  # (n,), (n,)
+        kl, pred, *overlap = step_kl(drafter, h.flatten(0, 1)[r], log_p, i, chunk_tokens, compiled, m)  # (n,), (n,)
         loss_j = kl.mean()
         total = total + step_decay**j * loss_j
         losses.append(loss_j.detach())
         accs.append((drafter.to_target(pred) == argmax[n]).float().mean())
-    loss_acc = torch.stack([torch.stack(losses), torch.stack(accs)]).tolist()  # one host sync for all steps
-    return total, list(zip(*loss_acc, counts))
+        overlaps.append(overlap[0].mean() if overlap else torch.zeros((), device=ids.device))
+    columns = [losses, accs] + ([overlaps] if mass is not None else [])
+    values = torch.stack([torch.stack(c) for c in columns]).tolist()  # one host sync for all steps
+    return total, [(values[0][j], values[1][j], counts[j], *(v[j] for v in values[2:])) for j in range(len(losses))]
 
 
 def accept_length(accs: list[float]) -> float:
@@ -361,20 +394,28 @@ def accept_length(accs: list[float]) -> float:
 
 
 def summarize(stats: list[list[tuple]]) -> dict:
+    """Per-pack per-step (loss_j, acc_j, count_j[, overlap_j]) -> token-weighted means per step, the simulated
+    accept length, and with overlaps (evaluation) accept_length_t1: the same chain at T=1, each step kept
+    with its mean overlap (teacher-forced on the data's own text, as acc_j is)."""
     depth = len(stats[0])
-    loss, acc = [], []
-    for j in range(depth):
-        n = sum(s[j][2] for s in stats)
-        loss.append(sum(s[j][0] * s[j][2] for s in stats) / max(n, 1))
-        acc.append(sum(s[j][1] * s[j][2] for s in stats) / max(n, 1))
-    return {"loss": loss, "acc": acc, "accept_length": accept_length(acc)}
+    n = [max(sum(s[j][2] for s in stats), 1) for j in range(depth)]
+
+    def mean(c: int) -> list[float]:  # column c's token-weighted mean at each step
+        return [sum(s[j][c] * s[j][2] for s in stats) / n[j] for j in range(depth)]
+
+    out = {"loss": mean(0), "acc": mean(1)}
+    out["accept_length"] = accept_length(out["acc"])
+    if len(stats[0][0]) > 3:
+        out["overlap"] = mean(3)
+        out["accept_length_t1"] = accept_length(out["overlap"])
+    return out
 
 
 class TTTObjective(nn.Module):
     """What DDP / FSDP wrap (their hooks run around forward): packed batch -> (loss, stats).
     batch None stands in for a rank with no pack left in a step; like a pack with no scored
     token it gives a zero loss over every trainable weight, so that backward's collectives line up.
-    options: ttt_loss's keyword options (target_cache_mb, attn_impl, compile_loss)."""
+    options: ttt_loss's keyword options (target_cache_mb, attn_impl, compile_loss, step_decay, full_head)."""
 
     def __init__(self, drafter: Eagle3Drafter, head: torch.Tensor, depth: int, chunk_tokens: int | None = None, **options):
         super().__init__()
@@ -657,7 +698,8 @@ def train(config: TrainConfig, world: World) -> TrainResult:
     if resuming:
         drafter.load_state_dict(load_file(str(ckpt / "model.safetensors")))
     objective = TTTObjective(drafter, head, config.ttt_depth, config.loss_chunk_tokens, target_cache_mb=config.target_cache_mb,
-                             attn_impl=config.attn_impl, compile_loss=config.compile_loss, step_decay=config.step_decay)
+                             attn_impl=config.attn_impl, compile_loss=config.compile_loss, step_decay=config.step_decay,
+                             full_head=target.model.lm_head.weight.detach())  # evaluation's T=1 acceptance
     model = parallelize(objective, config.parallel, world)
     params = [p for p in drafter.parameters() if p.requires_grad]  # after parallelize: FSDP swaps them
     opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95))
@@ -716,7 +758,8 @@ def train(config: TrainConfig, world: World) -> TrainResult:
                 tb.add(tag, metrics, state["step"])
                 if world.main:
                     print(f"epoch {state['epoch']}: {'held-out' if tag == 'eval' else config.eval_data} acc "
-                          f"{[round(a, 3) for a in metrics.get('acc', [])]} accept length {metrics.get('accept_length', float('nan')):.2f}")
+                          f"{[round(a, 3) for a in metrics.get('acc', [])]} accept length {metrics.get('accept_length', float('nan')):.2f}"
+                          f" (T=1: {metrics.get('accept_length_t1', float('nan')):.2f})")
     if bar:
         bar.close()
     log.close()

@@ -124,6 +124,8 @@ def test_scores_can_unroll_more_draft_steps_than_training_did(tiny_target_dir, t
     assert len(plain.eval["acc"]) == 2 and len(deep.eval["acc"]) == 4
     assert deep.eval["acc"][:2] == pytest.approx(plain.eval["acc"], abs=1e-6)  # the first steps score the same
     assert deep.eval["accept_length"] == pytest.approx(accept_length(deep.eval["acc"]))
+    assert len(deep.eval["overlap"]) == 4 and all(0 < o <= 1 for o in deep.eval["overlap"])  # and at T=1
+    assert deep.eval["accept_length_t1"] == pytest.approx(accept_length(deep.eval["overlap"]))
     a, b = (load_file(str(tmp_path / d / "drafter" / "drafter.safetensors")) for d in "ab")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # training itself is unchanged
     with pytest.raises(ValueError, match="eval_depth"):
@@ -255,6 +257,55 @@ def test_cuda_default_paths_match_the_old_ones(tiny_target_dir, tiny_hidden):
         (a, _, _), (b, _, _) = (loss_and_grads(drafter, head, batch, 3, 16, **old),
                                 loss_and_grads(drafter, head, batch, 3, 16, attn_impl="flex"))
     assert abs(a - b) <= 2e-2 * abs(a)
+
+
+def test_the_t1_overlap_is_the_chance_speculative_sampling_keeps_a_draft_token():
+    """overlap_terms from the draft vocab's renormalised target log-probs and vocab_mass (the target's
+    probability on the draft vocab) is the rate at which decode.speculative_accept keeps a token drawn
+    from the draft at T=1, whose drafts never leave the draft vocab while the target's mass does."""
+    from draftsmith.decode import speculative_accept
+
+    g = torch.Generator().manual_seed(0)
+    V, H, d2t = 50, 16, torch.randperm(50, generator=g)[:30]  # a draft vocab of 30 of the target's 50 tokens
+    full_head = torch.randn(V, H, generator=g)
+    final = torch.randn(3, H, generator=g)
+    p_full = torch.softmax(final @ full_head.T, -1)  # (3, V)
+    mass = train.vocab_mass(full_head[d2t], full_head, final, torch.tensor([2, 0, 1, 2]))
+    assert torch.allclose(mass, p_full[[2, 0, 1, 2]][:, d2t].sum(-1), atol=1e-6)
+    q_logits = torch.randn(1, 30, generator=g) * 2
+    log_p = torch.log_softmax((final[:1] @ full_head[d2t].T), -1)
+    overlap = float(train.overlap_terms(q_logits, log_p, mass[1:2]))
+    q_full = torch.zeros(1, V)
+    q_full[0, d2t] = torch.softmax(q_logits[0], -1)
+    p = p_full[:1].expand(2, V)
+    draws = 20000
+    kept = sum(speculative_accept(p, q_full, torch.multinomial(q_full[0], 1, generator=g), generator=g)[0]
+               for _ in range(draws)) / draws
+    assert 0.05 < overlap < 0.95 and abs(kept - overlap) < 4 * (overlap * (1 - overlap) / draws) ** 0.5
+
+
+def test_evaluation_scores_t1_acceptance_and_training_is_unchanged(tiny_target_dir, tiny_hidden):
+    """With the target's whole head, ttt_loss outside autograd adds each step's mean T=1 overlap (the same
+    chunked or not, step 0's equal to a direct computation from the target's whole-vocab softmax); under
+    autograd (training) the stats and loss are those without it."""
+    target = load_target(str(tiny_target_dir))
+    drafter, head, data = drafter_and_head(tiny_target_dir, tiny_hidden, vocab=100)
+    full_head = target.model.lm_head.weight.detach()
+    batch = pack([[data[0], data[1]], [data[2]]], "cpu")
+    with torch.no_grad():
+        loss, stats = ttt_loss(drafter, head, batch, 3, full_head=full_head)
+        _, chunked = ttt_loss(drafter, head, batch, 3, 16, full_head=full_head)
+        _, without = ttt_loss(drafter, head, batch, 3)
+        assert [s[:3] for s in stats] == without and all(len(s) == 4 and 0 < s[3] < 1 for s in stats)
+        assert [s[3] for s in chunked] == pytest.approx([s[3] for s in stats], abs=1e-6)
+        outs = drafter.ttt(batch["input_ids"].long(), batch["aux"].float(), 3, batch["position_ids"], batch["segment_ids"], "eager")
+        rows = scored(batch["segment_ids"], batch["loss_mask"].bool(), 3)[0].flatten().nonzero()[:, 0]
+        p = torch.softmax(batch["final"].flatten(0, 1)[rows + 1].float() @ full_head.T, -1)[:, drafter.to_target(torch.arange(100))]
+        q = torch.softmax(drafter.logits(outs[0].flatten(0, 1)[rows]), -1)
+        assert stats[0][3] == pytest.approx(float(torch.minimum(p, q).sum(-1).mean()), abs=1e-5)
+    trained = loss_and_grads(drafter, head, batch, 3, full_head=full_head)
+    assert all(len(s) == 3 for s in trained[1])
+    assert_same_step(trained, loss_and_grads(drafter, head, batch, 3))
 
 
 def test_simulated_accept_length():
