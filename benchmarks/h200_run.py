@@ -180,11 +180,16 @@ def phase_train(a):
         train_data.parent.mkdir(parents=True, exist_ok=True)
         train_data.write_bytes(Path(g.path).read_bytes() + samples.read_bytes())
     eval_data = None
+    eval_sampled = None
     if a.eval_mtbench:  # the target's own answers to MT-bench's first turns, scored every epoch (never trained on)
         eval_data = answer((evals[0],), RUN / "gen-mtbench", max_new_tokens=a.max_new_bench).path
+        if a.eval_mtbench_sampled:  # and its sampled ones (T=1): their accept_length_t1 scores sampled decoding
+            eval_sampled = answer((evals[0],), RUN / "gen-mtbench-t1", max_new_tokens=a.max_new_bench, temperature=1.0,
+                                  seed=1).path
     dump(out, "train.json", res)
     print(json.dumps(res), flush=True)
-    cfg = dict(target=a.gguf, data=str(train_data), eval_data=eval_data, online=True, device=a.device,
+    cfg = dict(target=a.gguf, data=str(train_data), eval_data=eval_data, eval_data_sampled=eval_sampled, online=True,
+               device=a.device,
                target_dtype=a.dtype, ttt_depth=a.depth, eval_depth=a.eval_depth, step_decay=a.step_decay,
                draft_vocab_size=a.vocab, draft_intermediate_size=a.draft_intermediate, lr=a.lr, batch_tokens=a.batch_tokens,
                rows_per_pack=a.rows_per_pack,
@@ -885,6 +890,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--gen-seconds", type=float, default=220)
     ap.add_argument("--eval-mtbench", action=argparse.BooleanOptionalAction, default=True,
                     help="train: also score the target's MT-bench answers every epoch")
+    ap.add_argument("--eval-mtbench-sampled", action=argparse.BooleanOptionalAction, default=True,
+                    help="train: and its sampled (T=1) MT-bench answers (heldout.eval_data_sampled: accept_length_t1 there"
+                    " is the T=1 score; the greedy answers overstate sampled decoding, logs/t1-sim-vs-decode-cpu-4b36540.json)")
     # the measured recipe (h200-recipe.md, run 9): greedy answers to every prompt, 2 sampled answers per chat-like prompt,
     # 12,000 prompts the target writes itself (defaults since 2026-12-04; earlier commands ran with 0 and 0)
     ap.add_argument("--extra-samples", type=int, default=2, help="train: also this many sampled answers per chat-like prompt")

@@ -53,6 +53,7 @@ print(json.dumps({"arm": name, "flags": flags, "wall_s": int(took), "steps": r.g
                   "finished": r.get("finished"), "train_loop_s": r.get("train_loop_s"),
                   "mtbench_score": (h.get("eval_data") or {}).get("accept_length"),
                   "mtbench_score_t1": (h.get("eval_data") or {}).get("accept_length_t1"),
+                  "mtbench_sampled_score_t1": (h.get("eval_data_sampled") or {}).get("accept_length_t1"),
                   "heldout_accept_length": h.get("accept_length"), "error": r.get("error")}))
 EOF
   tail -1 "$out/summary.jsonl"

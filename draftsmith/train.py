@@ -103,6 +103,8 @@ class TrainConfig:
     eval_fraction: float = 0.05
     eval_data: str | None = None  # also evaluate on this (answers.jsonl online, extracted shards offline) each epoch,
     # e.g. the target's own answers to the benchmark's prompts: the held-out split alone flatters a skewed mix
+    eval_data_sampled: str | None = None  # and on this, e.g. the target's sampled (T=1) answers to the same prompts:
+    # the text T=1 decoding drafts after, so its accept_length_t1 scores sampled decoding (greedy text overstates it)
     save_every: int = 100  # optimizer steps between checkpoints
     init_head_from_target: bool = True
     init: str | None = None  # start from this drafter (a train output's drafter/ or an SGLang export): its weights
@@ -472,11 +474,11 @@ def evaluate(model, data, indices, cfg: TrainConfig, featurize, world: World) ->
     return summarize([s for _, s in sorted(gather(world, mine))])
 
 
-def score(model, data, eval_idx, extra, cfg: TrainConfig, featurize, world: World) -> dict:
-    """{"eval": held-out metrics} and, with --eval-data, {"eval_data": that set's}."""
+def score(model, data, eval_idx, extra: dict, cfg: TrainConfig, featurize, world: World) -> dict:
+    """{"eval": held-out metrics} and each extra set's under its name ("eval_data", "eval_data_sampled")."""
     out = {"eval": evaluate(model, data, eval_idx, cfg, featurize, world)}
-    if extra is not None:
-        out["eval_data"] = evaluate(model, extra, list(range(len(extra))), cfg, featurize, world)
+    for name, dataset in extra.items():
+        out[name] = evaluate(model, dataset, list(range(len(dataset))), cfg, featurize, world)
     return out
 
 
@@ -649,17 +651,22 @@ def load_data(config: TrainConfig, target):
     return data, tuple(data.manifest["aux_layer_ids"]), lambda batch: batch
 
 
-def load_eval_data(config: TrainConfig, target, aux: tuple[int, ...]):
-    """The extra evaluation set (or None): read like the training data, and fed the same features."""
-    if not config.eval_data:
-        return None
-    if config.online:
-        return Conversations(config.eval_data, target.tokenizer, config.max_length)
-    data = HiddenStates(config.eval_data)
-    if tuple(data.manifest["aux_layer_ids"]) != tuple(aux):
-        raise ValueError(f"--eval-data {config.eval_data} holds aux layers {data.manifest['aux_layer_ids']}, "
-                         f"the training data {list(aux)}: extract both with the same --aux-layers")
-    return data
+def load_eval_data(config: TrainConfig, target, aux: tuple[int, ...]) -> dict:
+    """The extra evaluation sets by name ("eval_data", "eval_data_sampled"; those given): read like the
+    training data, and fed the same features."""
+    sets = {}
+    for name in ("eval_data", "eval_data_sampled"):
+        path = getattr(config, name)
+        if not path:
+            continue
+        if config.online:
+            sets[name] = Conversations(path, target.tokenizer, config.max_length)
+            continue
+        sets[name] = HiddenStates(path)
+        if tuple(sets[name].manifest["aux_layer_ids"]) != tuple(aux):
+            raise ValueError(f"--{name.replace('_', '-')} {path} holds aux layers {sets[name].manifest['aux_layer_ids']}, "
+                             f"the training data {list(aux)}: extract both with the same --aux-layers")
+    return sets
 
 
 def unsharded(drafter: Eagle3Drafter, config: TrainConfig, world: World) -> Eagle3Drafter:
@@ -757,7 +764,7 @@ def train(config: TrainConfig, world: World) -> TrainResult:
             for tag, metrics in last_eval[1].items():
                 tb.add(tag, metrics, state["step"])
                 if world.main:
-                    print(f"epoch {state['epoch']}: {'held-out' if tag == 'eval' else config.eval_data} acc "
+                    print(f"epoch {state['epoch']}: {'held-out' if tag == 'eval' else getattr(config, tag)} acc "
                           f"{[round(a, 3) for a in metrics.get('acc', [])]} accept length {metrics.get('accept_length', float('nan')):.2f}"
                           f" (T=1: {metrics.get('accept_length_t1', float('nan')):.2f})")
     if bar:
@@ -769,7 +776,7 @@ def train(config: TrainConfig, world: World) -> TrainResult:
         for tag, metrics in last_eval[1].items():
             tb.add(tag, metrics, state["step"])
     scores = last_eval[1]
-    final = {**scores["eval"], **({"eval_data": scores["eval_data"]} if "eval_data" in scores else {})}
+    final = {**scores["eval"], **{name: metrics for name, metrics in scores.items() if name != "eval"}}
     tb.close()
     plain = unsharded(drafter, config, world)
     if world.main:

@@ -113,6 +113,10 @@ def test_an_extra_evaluation_set_is_scored_every_epoch(tiny_target_dir, tiny_hid
     assert len(epochs) == 2 and all(len(r["eval_data"]["acc"]) == 2 and r["eval_data"]["accept_length"] >= 1 for r in epochs)
     assert {k: v for k, v in both.eval.items() if k != "eval_data"} == plain.eval  # training itself is unchanged
     assert both.eval["eval_data"] == epochs[-1]["eval_data"]  # nothing trained after the last epoch's evaluation
+    # --eval-data-sampled (the target's sampled answers, for the T=1 score) is scored beside it, by name
+    three = run(TrainConfig(out=str(tmp_path / "c"), eval_data=str(tiny_hidden), eval_data_sampled=str(tiny_hidden), **common))
+    assert three.eval["eval_data_sampled"] == three.eval["eval_data"] == both.eval["eval_data"]
+    assert three.eval["eval_data_sampled"]["accept_length_t1"] >= 1
 
 
 def test_scores_can_unroll_more_draft_steps_than_training_did(tiny_target_dir, tiny_hidden, tmp_path):
