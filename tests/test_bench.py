@@ -277,10 +277,11 @@ def test_a_filtered_carried_answer_set_is_trained_as_it_is(tmp_path, monkeypatch
     fractions = h200.source_fractions("gsm8k=0.3,self_prompts=0")
     kept = {r["id"] for r in records if h200.carried(r, None, fractions)}
     assert train_on("--source-fraction", "gsm8k=0.3,self_prompts=0") == kept
-    assert generated == [["mt_bench.jsonl"]]  # the MT-bench answers the score needs, nothing else
+    assert generated == [["mt_bench.jsonl"]] * 2  # the MT-bench answers the scores need (greedy, sampled), nothing else
     assert 40 < sum(i.startswith("gsm8k") for i in kept) < 80 and not any(i.startswith("self") for i in kept)
     assert sum(h200.SAMPLE_SEP in i for i in kept) == 40  # every sharegpt sample, none stale
-    assert train_on("--answer-sources", "gsm8k") == {r["id"] for r in records if r["source"].startswith("gsm8k")}
+    gsm8k = {r["id"] for r in records if r["source"].startswith("gsm8k")}
+    assert train_on("--answer-sources", "gsm8k", "--no-eval-mtbench-sampled") == gsm8k
     assert generated == [["mt_bench.jsonl"]]
     with pytest.raises(SystemExit, match="--resume-generation cannot go with"):
         train_on("--source-fraction", "gsm8k=0.3", "--resume-generation")
