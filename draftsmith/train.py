@@ -17,7 +17,9 @@ than `loss_chunk_tokens` tokens computes its loss in checkpointed chunks, so the
 of a whole pack never exist at once. On CUDA the KL runs through torch.compile (`compile_loss`);
 the TTT attention runs through compiled flex_attention on CUDA (`attn_impl` "split", the default there,
 or "flex"; less memory and faster than materialised scores, see Eagle3Drafter.ttt). acc_j is agreement with the target's greedy token and
-the simulated accept length is 1 + sum_k prod_{i<=k} acc_i; rank 0 logs them per step to
+the simulated accept length is 1 + sum_k prod_{i<=k} acc_i; evaluation (each epoch, the held-out split
+and `--eval-data` / `--eval-data-sampled`) adds overlap_j, the chance a token drawn from q_j at T=1 is kept
+by speculative sampling, and accept_length_t1 from them. Rank 0 logs them per step to
 metrics.jsonl and, when tensorboard is installed (the `tb` extra), under <out>/tb. Checkpoints hold
 model, optimizer, scheduler, step, data position and RNG state, written atomically;
 rerunning the same command resumes exactly.
