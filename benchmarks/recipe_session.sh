@@ -18,7 +18,6 @@
 set -uo pipefail
 out=${1:?usage: recipe_session.sh OUT GGUF DATA END} gguf=${2:?GGUF} data=${3:?DATA} end=${4:?END (unix time)}
 answers=${ANSWERS:-/tmp/answers12.jsonl.gz} steps=${ARM_STEPS:-900}
-subset=gsm8k,self_instruct,alpaca  # the files that carry their own answers, for ARMS as a44c107's (regen/original-subset)
 arms=${ARMS:-"base:;decay0.5:--step-decay 0.5;depth2:--depth 2;lr2e-3:--lr 2e-3"}
 # run from a copy: a later device call re-copies the working tree under a running job (a missing module mid-import)
 work=/tmp/recipe-session-tree

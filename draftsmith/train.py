@@ -309,20 +309,22 @@ def overlap_terms(q: torch.Tensor, log_p: torch.Tensor, mass: torch.Tensor) -> t
 
 
 @torch.no_grad()
-def vocab_mass(head: torch.Tensor, full_head: torch.Tensor, final: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """The target's probability on the draft vocab at each target row in rows (N,) -> (N,) fp32 (1 when the
-    draft vocab is the whole vocab): head (Vd, H) the draft rows of full_head (V, H). Each distinct row once,
-    at most ~256 MB of (rows, V) fp32 logits at a time."""
+def vocab_mass(full_head: torch.Tensor, draft_ids: torch.Tensor, final: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The target's probability on the draft vocab (its target ids draft_ids, (Vd,)) at each target row in rows
+    (N,) -> (N,) fp32 (1 when the draft vocab is the whole vocab); full_head (V, H). Each distinct row once, at
+    most ~256 MB of (rows, V) fp32 logits at a time."""
     need, index = torch.unique(rows, return_inverse=True)
-    per = max(1, (256 << 20) // (4 * full_head.shape[0]))
-    lse = [torch.logsumexp((f.to(head.dtype) @ head.T).float(), -1) - torch.logsumexp((f.to(head.dtype) @ full_head.T).float(), -1)
-           for f in final[need].split(per)]
-    if not lse:
+    per, parts = max(1, (256 << 20) // (4 * full_head.shape[0])), []
+    for f in final[need].split(per):
+        logits = (f.to(full_head.dtype) @ full_head.T).float()
+        parts.append(torch.logsumexp(logits[:, draft_ids], -1) - torch.logsumexp(logits, -1))
+    if not parts:
         return torch.ones(0, device=final.device)
-    return torch.cat(lse).exp().clamp(max=1.0)[index]
+    return torch.cat(parts).exp()[index]
 
 
-def chunk_kl(drafter: Eagle3Drafter, hidden: torch.Tensor, log_p, index: torch.Tensor, compiled: bool, mass=None):
+def chunk_kl(drafter: Eagle3Drafter, hidden: torch.Tensor, log_p, index: torch.Tensor, compiled: bool,
+             mass: torch.Tensor | None = None):
     """kl_terms for n draft outputs hidden (n, H) against the target log-probs log_p(index) (n, Vd); with
     mass (n,) (evaluation), each row's T=1 acceptance (overlap_terms) as a third output."""
     q = drafter.logits(hidden)  # (n, Vd)
@@ -369,7 +371,9 @@ def ttt_loss(drafter: Eagle3Drafter, head: torch.Tensor, batch: dict, depth: int
     nxt = hit[:, 1] + 1 + hit[:, 0]  # (N,) the target rows they are scored against, never in another batch row (scored())
     final, argmax = batch["final"].flatten(0, 1), batch["argmax"].long().flatten()  # (B*T, H), (B*T,)
     log_p, index = target_table(head, final, nxt, chunk_tokens, target_cache_mb)
-    mass = vocab_mass(head, full_head, final, nxt) if full_head is not None and not torch.is_grad_enabled() else None
+    mass = None  # with full_head in evaluation: the target's probability on the draft vocab at each scored row
+    if full_head is not None and not torch.is_grad_enabled():
+        mass = vocab_mass(full_head, drafter.to_target(torch.arange(len(head), device=ids.device)), final, nxt)
     total, losses, accs, overlaps = 0.0, [], [], []
     masses = mass.split(counts) if mass is not None else repeat(None)
     for j, (h, r, n, i, m) in enumerate(zip(outs, *(t.split(counts) for t in (hit[:, 1], nxt, index)), masses)):
@@ -382,7 +386,8 @@ def ttt_loss(drafter: Eagle3Drafter, head: torch.Tensor, batch: dict, depth: int
         total = total + step_decay**j * loss_j
         losses.append(loss_j.detach())
         accs.append((drafter.to_target(pred) == argmax[n]).float().mean())
-        overlaps.append(overlap[0].mean() if overlap else torch.zeros((), device=ids.device))
+        if overlap:
+            overlaps.append(overlap[0].mean())
     columns = [losses, accs] + ([overlaps] if mass is not None else [])
     values = torch.stack([torch.stack(c) for c in columns]).tolist()  # one host sync for all steps
     return total, [(values[0][j], values[1][j], counts[j], *(v[j] for v in values[2:])) for j in range(len(losses))]

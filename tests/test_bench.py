@@ -191,8 +191,7 @@ def test_the_recipe_sessions_default_arms_are_flags_the_script_takes():
     root = Path(__file__).parents[1]
     h200 = h200_run()
     script = (root / "benchmarks" / "recipe_session.sh").read_text()
-    subset = re.search(r"^subset=(\S+)", script, re.M).group(1)
-    arms = re.search(r'arms=\$\{ARMS:-"(.*?)"\}', script, re.S).group(1).replace("\\\n", "").replace("$subset", subset)
+    arms = re.search(r'arms=\$\{ARMS:-"(.*?)"\}', script, re.S).group(1).replace("\\\n", "")
     shared = ["train", "--gguf", "g", "--data", "d", "--answers", "a.jsonl.gz", "--train-steps", "600", "--deadline", "1",
               "--bring-back", "metrics", "--export-vocab", "0"]
     names = []

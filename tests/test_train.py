@@ -274,7 +274,7 @@ def test_the_t1_overlap_is_the_chance_speculative_sampling_keeps_a_draft_token()
     full_head = torch.randn(V, H, generator=g)
     final = torch.randn(3, H, generator=g)
     p_full = torch.softmax(final @ full_head.T, -1)  # (3, V)
-    mass = train.vocab_mass(full_head[d2t], full_head, final, torch.tensor([2, 0, 1, 2]))
+    mass = train.vocab_mass(full_head, d2t, final, torch.tensor([2, 0, 1, 2]))
     assert torch.allclose(mass, p_full[[2, 0, 1, 2]][:, d2t].sum(-1), atol=1e-6)
     q_logits = torch.randn(1, 30, generator=g) * 2
     log_p = torch.log_softmax((final[:1] @ full_head[d2t].T), -1)
