@@ -4,8 +4,9 @@
 #            h200-decode.json, the GPU tests; its environment overrides pass through), then NEXT with the time
 #            left before END (DECODE=0 skips the decode session: a budget too short for both);
 #   another card: NEXT, then the GPU tests of the kernels and decoding (PYTEST_K) if 200+ s are left.
-# NEXT: "recipe" (the default: recipe_session.sh's arms into OUT/recipe) or "pipeline" (pipeline_session.sh into
-# OUT/pipeline: the whole pipeline and its bench, with TRAIN_STEPS, BENCH_S, PIPE_FLAGS passed through).
+# NEXT: "recipe" (the default: recipe_session.sh's arms into OUT/recipe), "pipeline" (pipeline_session.sh into
+# OUT/pipeline: the whole pipeline and its bench, with TRAIN_STEPS, BENCH_S, PIPE_FLAGS passed through) or "none";
+# NEXT_H200 replaces NEXT on an H200 (a budget that holds the decode session and little else: NEXT_H200=none).
 # The scripts wait for the GGUF (and the arms for the carried answers) that later staging calls bring.
 # usage: bash benchmarks/card_session.sh OUT GGUF DATA END
 set -uo pipefail
@@ -15,13 +16,15 @@ mkdir -p "$out"
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 echo "card: $card" >"$out/card.txt"
 next=${NEXT:-recipe}
+[[ "$card" == *H200* ]] && next=${NEXT_H200:-$next}
 case "$next" in
-  recipe|pipeline) ;;
-  *) echo "NEXT must be recipe or pipeline, not $next" >&2; exit 2 ;;
+  recipe|pipeline|none) ;;
+  *) echo "NEXT (or NEXT_H200) must be recipe, pipeline or none, not $next" >&2; exit 2 ;;
 esac
+echo "next: $next" >>"$out/card.txt"
 [[ "$card" == *H200* && "${DECODE:-1}" != 0 ]] && bash "$here/decode_session.sh" "$out/decode" "$gguf" "$data"
-bash "$here/${next}_session.sh" "$out/$next" "$gguf" "$data" "$end"
-if [[ "$card" != *H200* ]]; then
+[ "$next" != none ] && bash "$here/${next}_session.sh" "$out/$next" "$gguf" "$data" "$end"
+if [[ "$card" != *H200* && "$next" != none ]]; then
   left=$(( end - $(date +%s) ))
   if [ "$left" -gt 200 ]; then
     cd "/tmp/${next}-session-tree" && timeout "$left" bash -c "python3 -m pytest -v --tb=short -m gpu tests/test_kernels.py \
