@@ -166,7 +166,11 @@ def phase_train(a):
     if a.extra_samples and not a.original_answers and filtered:  # the kept ones as carried: sampling anew would
         samples = extra if extra.exists() else None  # answer the prompts the filter left out
     elif a.extra_samples and not a.original_answers:  # more text for the chat-like prompts
-        chat = tuple(p for p in prompts if Path(p).name.startswith(tuple(a.extra_sources.split(","))))
+        prefixes = tuple(a.extra_sources.split(","))
+        chat = tuple(p for p in prompts if Path(p).name.startswith(prefixes))
+        own = answers.parent / generate.SELF_PROMPTS
+        if "self_prompts" in prefixes and own.exists():  # the target's own prompts, sampled too (ids as the greedy ones')
+            chat += (str(own),)
         e = answer(chat, extra.parent, exclude=evals, max_new_tokens=a.max_new, temperature=a.extra_temperature,
                    samples=a.extra_samples, seed=a.extra_seed)  # resumes: samples already there are kept
         res.update(extra_sources=[Path(p).name for p in chat], extra_answers=e.total, extra_tokens=e.tokens,
@@ -899,7 +903,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--extra-temperature", type=float, default=0.8, help="for the samples made in this run")
     ap.add_argument("--extra-seed", type=int, default=1, help="sampling seed of this run's extra answers (vary it when adding"
                     " samples to carried ones)")
-    ap.add_argument("--extra-sources", default="sharegpt,ultrachat,self_instruct,alpaca", help="prompt file name prefixes")
+    ap.add_argument("--extra-sources", default="sharegpt,ultrachat,self_instruct,alpaca", help="prompt file name prefixes;"
+                    " self_prompts: the prompts the target wrote itself (--self-prompts) too")
     ap.add_argument("--self-prompts", type=int, default=12000, help="train: the target also writes this many prompts itself"
                     " (generate --self-prompts), answered greedily with the rest")
     ap.add_argument("--self-prompt-topics", default="", help="train: steer the self-written prompts, a topic a try in turn:"
