@@ -1005,8 +1005,11 @@ def accept_sampled_on_device(p, tree: DraftTree, rank, exists, qrow, q, draft_id
     cur = torch.zeros(1, dtype=torch.long, device=dev)
     alive = torch.ones(1, dtype=torch.bool, device=dev)
     r_stop, rows = p[0], [cur]
-    for level in range(depth + 1):  # the last level only stops (a node at depth `depth` has no children)
+    for level in range(depth + 1):
         r = p[cur][0]  # (V,)
+        if level == depth:  # a node at depth `depth` has no children: the walk stops there, nothing to try
+            r_stop = torch.where(alive, r, r_stop)
+            break
         qd = torch.zeros(V, device=dev, dtype=p.dtype).index_copy(0, draft_ids, q[qrow[cur]][0].to(p.dtype))
         took = torch.full((1,), -1, dtype=torch.long, device=dev)
         for i in range(k):
@@ -1024,8 +1027,7 @@ def accept_sampled_on_device(p, tree: DraftTree, rank, exists, qrow, q, draft_id
         down = alive & (took >= 0)
         r_stop = torch.where(alive & ~down, r, r_stop)
         cur = torch.where(down, took, cur)
-        if level < depth:
-            rows.append(torch.where(down, took, 0))
+        rows.append(torch.where(down, took, 0))
         alive = down
     rows = torch.cat(rows)  # (depth+1,)
     n = (rows[1:] > 0).sum(0, keepdim=True)
