@@ -48,9 +48,9 @@ def main():
             answers = plain
         counts = count_tokens(Conversations(str(answers), target.tokenizer, 2048).samples, target.model.args.vocab_size)
     drafter = load_any(a.drafter, target.model.embed_tokens.weight)
-    ids = drafter.to_target(torch.arange(drafter.cfg.draft_vocab_size))
+    ids = drafter.target_ids()
     small = drafter.shrink_vocab(counts, a.size).to(torch.bfloat16)
-    kept = small.to_target(torch.arange(a.size))
+    kept = small.target_ids()
     out = export_sglang(small, Path(a.out), target.hf_config)
     info = {"from": a.note, "source_draft_vocab": drafter.cfg.draft_vocab_size, "draft_vocab": a.size,
             "coverage_of_answer_tokens": {"source": round(float(counts[ids].sum() / counts.sum()), 4),

@@ -460,7 +460,7 @@ def decode_chain_sampled(model: Transformer, drafter: Eagle3Drafter, prompt: tor
     capture = drafter.cfg.aux_layer_ids
     model.setup_caches(1, T + max_new + 2 * k + 2)
     drafter.setup_caches(1, T + max_new + 2 * k + 2)
-    draft_ids = drafter.to_target(torch.arange(drafter.cfg.draft_vocab_size, device=dev))
+    draft_ids = drafter.target_ids()
     rows = drafter_rows(drafter)
     sync(dev)
     t0 = time.perf_counter()
@@ -698,7 +698,7 @@ def draft_tree(drafter: Eagle3Drafter, last_hidden: torch.Tensor, pos: int, spec
     tree = DraftTree(torch.cat(tok_chunks)[torch.tensor(keep, device=dev)],
                      torch.tensor([index.get(parents[i], -1) for i in keep]), torch.tensor([depth[i] for i in keep]))
     if sampled:
-        draft_ids = drafter.to_target(torch.arange(drafter.cfg.draft_vocab_size, device=dev))
+        draft_ids = drafter.target_ids()
         tree.q = torch.zeros(len(keep) + 1, drafter.cfg.vocab_size, device=dev)
         for row, node in enumerate([-1] + keep):
             if node in q_of:
@@ -930,7 +930,7 @@ def verify_sampled(model: Transformer, drafter: Eagle3Drafter, spec: TreeSpec, t
 
     def accept(hidden, tree, anc, rank, exists, qrow, q, u_nodes, u_vocab):
         p = probs(model.logits(hidden), temperature, top_p)  # (N+1, V)
-        draft_ids = drafter.to_target(torch.arange(q.shape[-1], device=q.device))
+        draft_ids = drafter.target_ids()
         return accept_sampled_on_device(p, tree, rank, exists, qrow, q, draft_ids, u_nodes, u_vocab, D, K)
     return verify_cycle(model, drafter, spec, accept)
 

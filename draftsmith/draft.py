@@ -138,6 +138,10 @@ class Eagle3Drafter(nn.Module):
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
 
+    def target_ids(self) -> torch.Tensor:
+        """The target id of every draft token, (Vd,) on the drafter's device."""
+        return self.to_target(torch.arange(self.cfg.draft_vocab_size, device=self.d2t.device))
+
     def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor):
         self.d2t.copy_(d2t)
         self.t2d.copy_(t2d)
@@ -148,7 +152,7 @@ class Eagle3Drafter(nn.Module):
         logits are this drafter's; a smaller head makes each draft step cheaper (and the file smaller)."""
         if not 0 < size <= self.cfg.draft_vocab_size:
             raise ValueError(f"size must be in 1..{self.cfg.draft_vocab_size} (the current draft vocab), got {size}")
-        ids = self.to_target(torch.arange(self.cfg.draft_vocab_size, device=self.d2t.device)).cpu()
+        ids = self.target_ids().cpu()
         keep = torch.sort(-counts.cpu()[ids], stable=True).indices[:size].sort().values  # draft rows, ascending
         small = Eagle3Drafter(replace(self.cfg, draft_vocab_size=size))
         state = {k: v.detach().cpu() for k, v in self.state_dict().items()}

@@ -373,7 +373,7 @@ def ttt_loss(drafter: Eagle3Drafter, head: torch.Tensor, batch: dict, depth: int
     log_p, index = target_table(head, final, nxt, chunk_tokens, target_cache_mb)
     mass = None  # with full_head in evaluation: the target's probability on the draft vocab at each scored row
     if full_head is not None and not torch.is_grad_enabled():
-        mass = vocab_mass(full_head, drafter.to_target(torch.arange(len(head), device=ids.device)), final, nxt)
+        mass = vocab_mass(full_head, drafter.target_ids(), final, nxt)
     total, losses, accs, overlaps = 0.0, [], [], []
     masses = mass.split(counts) if mass is not None else repeat(None)
     for j, (h, r, n, i, m) in enumerate(zip(outs, *(t.split(counts) for t in (hit[:, 1], nxt, index)), masses)):
@@ -706,7 +706,7 @@ def train(config: TrainConfig, world: World) -> TrainResult:
     train_idx, eval_idx = split(data.ids, config.eval_fraction, config.seed)
     extra = load_eval_data(config, target, aux)
     drafter, coverage, counts = build_drafter(config, target, data, train_idx, aux, device)
-    head = target.model.lm_head.weight[drafter.to_target(torch.arange(drafter.cfg.draft_vocab_size, device=device))].detach()
+    head = target.model.lm_head.weight[drafter.target_ids()].detach()
     ckpt = out / "checkpoint"
     resuming = (ckpt / "state.pt").exists()
     if resuming:

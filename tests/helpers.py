@@ -111,6 +111,9 @@ class BigramDrafter(BigramTarget):
     def to_target(self, ids):
         return ids
 
+    def target_ids(self):
+        return torch.arange(self.table.shape[0], device=self.table.device)
+
 
 def interrupt_on_call(monkeypatch, module, name: str, call: int):
     """Make module.name raise KeyboardInterrupt (a Ctrl-C) on its `call`-th call; returns the real one."""
