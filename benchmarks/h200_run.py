@@ -388,6 +388,7 @@ def bench_smollm(a, res):
                 sm[key] = summary([dec.decode_tree_sampled(model, drafter, x, a.max_new_bench, spec, temp, 1.0, target.eos_ids,
                                                            gen, graphs) for x in ids], sm[f"plain_{name}"]["tok_s"])
                 sm[key].update(tree=f"{spec.topk}x{spec.steps}x{spec.num_draft_tokens}", draws=spec.draws_at(temp))
+                dump(Path(a.out), "bench.json", res)  # each shape as it ends: a bench cut by the deadline keeps it
         except Exception as e:  # noqa: BLE001
             sm[f"tree_{name}_error"] = repr(e)[:500]
         dump(Path(a.out), "bench.json", res)
