@@ -110,6 +110,23 @@ class Midlayer(nn.Module):
         return self.finish(hidden, self.self_attn(self.attn_input(emb, hidden), cos, sin, input_pos, mask))
 
 
+def row_major(x):
+    """x in row-major layout, strides of size-1 dims included (torch.compile guards on them): x itself, a
+    view of it where only size-1 dims' strides differ (the same memory), else a row-major copy; anything
+    not a tensor as it is."""
+    if not torch.is_tensor(x):
+        return x
+    want, step = [], 1
+    for n in reversed(x.shape):
+        want.insert(0, step)
+        step *= n
+    if x.stride() == tuple(want):
+        return x
+    if all(s == w or n == 1 for s, w, n in zip(x.stride(), want, x.shape)):
+        return x.as_strided(x.shape, want)
+    return x.clone(memory_format=torch.contiguous_format)
+
+
 class Eagle3Drafter(nn.Module):
     def __init__(self, cfg: DraftConfig):
         super().__init__()
@@ -187,9 +204,16 @@ class Eagle3Drafter(nn.Module):
         return self
 
     def compiled(self, fn):
-        """`fn`, a drafting step of this drafter, compiled as optimize() asked (else `fn` itself)."""
+        """`fn`, a drafting step of this drafter, compiled as optimize() asked (else `fn` itself): with
+        static shapes (each tree shape its own specialised kernels) and its tensor arguments row-major
+        (row_major). The prompt's last hidden row (a column of a transposed matmul) and a cycle's differ
+        in strides alone, and without both torch.compile traced the step again on the first cycle, this
+        time with symbolic shapes, which every later cycle then ran."""
         backend = getattr(self, "compile_backend", None)
-        return torch.compile(fn, backend=backend, fullgraph=True) if backend else fn
+        if not backend:
+            return fn
+        step = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
+        return lambda *args: step(*(row_major(a) for a in args))
 
     def setup_caches(self, batch: int, max_len: int):
         """Like Transformer.setup_caches: a large enough cache is kept (graphs stay valid)."""

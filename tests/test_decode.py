@@ -294,6 +294,28 @@ def test_compiled_drafting_steps_decode_the_same(target, kind):
         assert got.tokens == ref.tokens and got.accept_lengths == ref.accept_lengths
         assert kind == "trained-shape" or sampled or max(ref.accept_lengths) > 1  # the oracle drafts greedy text
 
+
+def test_compiled_drafting_steps_trace_once_per_shape(target):
+    """torch.compile traces each drafting step once per shape, over prompts of different lengths and every
+    cycle: the first step of a prompt reads its last hidden row (strides of a transposed matmul), the
+    others a cycle's, and the two are made the same layout; before that, the first cycle traced the step
+    again with symbolic shapes, which every later cycle ran. Static shapes: a second tree shape gets its
+    own trace, not a symbolic one shared with the first."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    counter = CompileCounter()  # a backend that counts the graphs it is given and runs them as traced
+    drafter = tiny_drafter(target, draft_vocab=200).optimize(counter)
+    ref = tiny_drafter(target, draft_vocab=200).optimize()
+    drafter.setup_caches(1, 128)  # one cache for both prompts, as the bench sizes it (a new size is a new shape)
+    for T in (8, 13):
+        prompt = torch.randint(3, 320, (1, T), generator=torch.Generator().manual_seed(T))
+        assert decode_chain(target, drafter, prompt, 24, 3).tokens == decode_chain(target, ref, prompt, 24, 3).tokens
+        for spec in (TreeSpec(3, 4, 10), TreeSpec(2, 2, 4)):
+            assert decode_tree(target, drafter, prompt, 24, spec).tokens == decode_tree(target, ref, prompt, 24, spec).tokens
+    assert counter.frame_count == 2 + 2 * 2  # the chain's drafting and catch-up steps, then each tree shape's
+    torch._dynamo.reset()
+
 def test_hand_built_tree_mask_and_commit(target):
     """Each node's logits equal a plain forward over prefix + its path; after the commit the cache
     holds the accepted path contiguously, so decoding continues exactly as plain greedy does."""
