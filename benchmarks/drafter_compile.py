@@ -1,10 +1,11 @@
 """What compiling the drafting steps costs and gives, by tree shape: traces, seconds to the first
 decoded prompt (tracing and compiling included) and drafting milliseconds a cycle after it, for the
 drafter compiled as the decoders compile it now (static shapes, row-major arguments: 633125d) and as
-before it ("old": torch.compile's default automatic dynamic shapes, where the prompt's last hidden
-row and a cycle's differed in strides, so each step was traced again on the first cycle with symbolic
-shapes and every later cycle ran that trace). Each mode runs in its own process (torch.compile's
-caches are per process), on the same prompts and seed; the tokens must be the same in both.
+before it ("old": torch.compile's default automatic dynamic shapes; uncaptured, as here, the prompt's
+last hidden row and a cycle's differed in strides, so each step was traced again on the first cycle
+with symbolic shapes and every later cycle ran that trace). Modes take turns (old, new, old, new), each
+in a fresh process with an empty inductor cache, on the same prompts and seed; the tokens must be the
+same in every run. Medians by mode and shape.
 
     python benchmarks/drafter_compile.py --out benchmarks/results/logs/drafter-compile-cpu-<commit>.json
 
@@ -15,9 +16,12 @@ draft_s against an earlier run with the same drafter is the GPU's answer.
 import argparse
 import hashlib
 import json
+import os
 import shlex
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -94,7 +98,7 @@ def main():
     ap.add_argument("--shapes", default="1x5x5,4x5x15,8x6x48,4x5x15@1,4x2x8@1",
                     help="top-k x depth x nodes[@temperature], in this order in one process (1xKxK at T=0: the chain)")
     ap.add_argument("--backend", default="inductor")
-    ap.add_argument("--modes", default="old,new")
+    ap.add_argument("--modes", default="old,new,old,new", help="compile modes in turn, each in a process of its own")
     ap.add_argument("--mode", help=argparse.SUPPRESS)  # one mode, in a process of its own
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
@@ -103,19 +107,24 @@ def main():
         return
     res = {"command": shlex.join(["python", *sys.argv]), "commit": git_commit(), "device": device_name("cpu"),
            "target": a.target, "drafter": a.drafter, "prompts": a.num_prompts, "max_new_tokens": a.max_new_tokens,
-           "backend": a.backend, "modes": {}}
+           "backend": a.backend, "runs": []}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    for mode in a.modes.split(","):
+    for mode in a.modes.split(","):  # e.g. old,new,old,new: each in a fresh process with an empty compile cache
         part = Path(a.out).with_suffix(f".{mode}.part")
         t = time.perf_counter()
-        subprocess.run([sys.executable, __file__, *sys.argv[1:], "--mode", mode, "--out", str(part)], check=True)
-        res["modes"][mode] = {"wall_s": round(time.perf_counter() - t, 1), "shapes": json.loads(part.read_text())}
+        with tempfile.TemporaryDirectory() as cache:
+            subprocess.run([sys.executable, __file__, *sys.argv[1:], "--mode", mode, "--out", str(part)], check=True,
+                           env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache})
+        res["runs"].append({"mode": mode, "wall_s": round(time.perf_counter() - t, 1), "shapes": json.loads(part.read_text())})
         part.unlink()
-    modes = list(res["modes"].values())
-    res["same_tokens"] = all(m["shapes"][s]["tokens_sha256"] == modes[0]["shapes"][s]["tokens_sha256"]
-                             for m in modes for s in m["shapes"])
+    runs = res["runs"]
+    res["same_tokens"] = all(r["shapes"][s]["tokens_sha256"] == runs[0]["shapes"][s]["tokens_sha256"]
+                             for r in runs for s in r["shapes"])
+    res["median"] = {mode: {s: {f: statistics.median(r["shapes"][s][f] for r in runs if r["mode"] == mode)
+                                for f in ("traces", "first_prompt_s", "draft_ms_per_cycle", "verify_ms_per_cycle")}
+                            for s in runs[0]["shapes"]} for mode in dict.fromkeys(r["mode"] for r in runs)}
     Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
-    print(json.dumps(res, indent=1))
+    print(json.dumps(res["median"], indent=1))
 
 
 if __name__ == "__main__":
