@@ -5,7 +5,8 @@ before it ("old": torch.compile's default automatic dynamic shapes; uncaptured, 
 last hidden row and a cycle's differed in strides, so each step was traced again on the first cycle
 with symbolic shapes and every later cycle ran that trace). Modes take turns (old, new, old, new), each
 in a fresh process with an empty inductor cache, on the same prompts and seed; the tokens must be the
-same in every run. Medians by mode and shape.
+same in every run. Medians by mode and shape. Mode "eager": the drafter fused but not compiled (the CPU
+bench's and demo's drafter).
 
     python benchmarks/drafter_compile.py --out benchmarks/results/logs/drafter-compile-cpu-<commit>.json
 
@@ -54,7 +55,7 @@ def one_mode(a) -> dict:
     target = load_target(a.target, "cpu", torch.float32)
     model = target.model.optimize()
     counter = CompileCounterWithBackend(a.backend)  # counts the graphs torch.compile hands the backend
-    drafter = load_any(a.drafter, model.embed_tokens.weight.detach()).eval().optimize(counter)
+    drafter = load_any(a.drafter, model.embed_tokens.weight.detach()).eval().optimize(None if a.mode == "eager" else counter)
     prompts = [torch.tensor([prompt_ids(target.tokenizer, p.turns)]) for p in spread(load_eval(a.prompts), a.num_prompts)]
     longest = max(x.shape[1] for x in prompts) + a.max_new_tokens + 64
     model.setup_caches(1, longest)  # one cache size for every prompt, as the device bench sizes them
@@ -98,7 +99,7 @@ def main():
     ap.add_argument("--shapes", default="1x5x5,4x5x15,8x6x48,4x5x15@1,4x2x8@1",
                     help="top-k x depth x nodes[@temperature], in this order in one process (1xKxK at T=0: the chain)")
     ap.add_argument("--backend", default="inductor")
-    ap.add_argument("--modes", default="old,new,old,new", help="compile modes in turn, each in a process of its own")
+    ap.add_argument("--modes", default="old,new,old,new", help="old, new or eager, in turn, each in a process of its own")
     ap.add_argument("--mode", help=argparse.SUPPRESS)  # one mode, in a process of its own
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
