@@ -207,7 +207,8 @@ class Eagle3Drafter(nn.Module):
         """`fn`, a drafting step of this drafter, compiled as optimize() asked (else `fn` itself), with
         static shapes and its tensor arguments row-major (row_major). torch.compile's default traced the
         second shape a step met with symbolic shapes, so that every tree shape after the first (the bench's
-        8x6x48 beside 4x5x15, its T=1 shapes after the first) ran kernels not specialised to it; and
+        8x6x48 beside 4x5x15, its T=1 trees, whose catch-up step is the greedy trees') ran kernels not
+        specialised to it; and
         uncaptured, the prompt's last hidden row (strides of a transposed matmul on the CPU, of the prompt's
         length on CUDA) and a cycle's differ in strides alone, which traced the step again on the first
         cycle, symbolically, for every cycle after it."""
