@@ -110,6 +110,9 @@ class Midlayer(nn.Module):
         return self.finish(hidden, self.self_attn(self.attn_input(emb, hidden), cos, sin, input_pos, mask))
 
 
+STEP_TRACES = 64  # traces a compiled drafting step may have: one per tree shape, dtype and drafter met in a process
+
+
 def row_major(x):
     """x in row-major layout, strides of size-1 dims included (torch.compile guards on them): x itself, a
     view of it where only size-1 dims' strides differ (the same memory), else a row-major copy; anything
@@ -208,15 +211,19 @@ class Eagle3Drafter(nn.Module):
         static shapes and its tensor arguments row-major (row_major). torch.compile's default traced the
         second shape a step met with symbolic shapes, so that every tree shape after the first (the bench's
         8x6x48 beside 4x5x15, its T=1 trees, whose catch-up step is the greedy trees') ran kernels not
-        specialised to it; and
-        uncaptured, the prompt's last hidden row (strides of a transposed matmul on the CPU, of the prompt's
-        length on CUDA) and a cycle's differ in strides alone, which traced the step again on the first
-        cycle, symbolically, for every cycle after it."""
+        specialised to it; and uncaptured, the prompt's last hidden row (strides of a transposed matmul on
+        the CPU, of the prompt's length on CUDA) and a cycle's differ in strides alone, which traced the step
+        again on the first cycle, symbolically, for every cycle after it. A step is traced once per shape,
+        dtype and drafter, up to STEP_TRACES times (torch.compile's own limit, 8, fails a fullgraph step)."""
         backend = getattr(self, "compile_backend", None)
         if not backend:
             return fn
         step = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
-        return lambda *args: step(*(row_major(a) for a in args))
+
+        def run(*args):
+            with torch._dynamo.config.patch(recompile_limit=STEP_TRACES):
+                return step(*(row_major(a) for a in args))
+        return run
 
     def setup_caches(self, batch: int, max_len: int):
         """Like Transformer.setup_caches: a large enough cache is kept (graphs stay valid)."""

@@ -300,7 +300,7 @@ def test_compiled_drafting_steps_trace_once_per_shape(target):
     cycle, uncaptured as on the CPU: the first step of a prompt reads its last hidden row (strides of a
     transposed matmul), the others a cycle's, and the two are made the same layout; before that, the first
     cycle traced the step again with symbolic shapes, which every later cycle ran. Static shapes: a second
-    tree shape gets its own trace, not a symbolic one."""
+    tree shape gets its own trace, not a symbolic one, and more shapes than torch.compile's limit still run."""
     from torch._dynamo.testing import EagerAndRecordGraphs
 
     torch._dynamo.reset()
@@ -320,7 +320,10 @@ def test_compiled_drafting_steps_trace_once_per_shape(target):
         return isinstance(value, torch.SymInt) or torch.is_tensor(value) and any(
             isinstance(n, torch.SymInt) for n in (*value.shape, *value.stride()))
     assert not any(symbolic(n) for g in backend.graphs for n in g.graph.nodes if n.op == "placeholder")
+    for steps in range(2, 11):  # more shapes than torch.compile's 8 traces a code object, which fail a fullgraph step
+        decode_tree(target, drafter, prompt, 8, TreeSpec(2, steps, 2 * steps))
     torch._dynamo.reset()
+
 
 def test_hand_built_tree_mask_and_commit(target):
     """Each node's logits equal a plain forward over prefix + its path; after the commit the cache
