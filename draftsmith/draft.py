@@ -219,9 +219,10 @@ class Eagle3Drafter(nn.Module):
         if not backend:
             return fn
         step = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
+        traces = torch._dynamo.config.patch(recompile_limit=STEP_TRACES)  # made once: ~4 us a call, 27 anew
 
         def run(*args):
-            with torch._dynamo.config.patch(recompile_limit=STEP_TRACES):
+            with traces:
                 return step(*(row_major(a) for a in args))
         return run
 
