@@ -51,7 +51,6 @@ def one_mode(a) -> dict:
 
     if a.mode == "old":
         Eagle3Drafter.compiled = old_compiled
-    torch.manual_seed(0)
     target = load_target(a.target, "cpu", torch.float32)
     model = target.model.optimize()
     counter = CompileCounterWithBackend(a.backend)  # counts the graphs torch.compile hands the backend

@@ -988,7 +988,7 @@ def verify_cycle(model: Transformer, drafter: Eagle3Drafter, spec: TreeSpec, acc
 
 
 def accept_sampled_on_device(p, tree: DraftTree, rank, exists, qrow, q, draft_ids, u_nodes, u_vocab, depth: int, k: int):
-    """accept_tree_sampled with fixed shapes (depth+1 levels of k sibling tries, every branch computed and
+    """accept_tree_sampled with fixed shapes (depth levels of k sibling tries, every branch computed and
     selected with where), so it runs inside a graph. p: (N+1, V) target distributions at root and nodes;
     rank (N,): a node's place in its parent's draw order (the kept children of a node are a prefix of
     it); exists (N,): drawn at all (a draw can run out of support); qrow (N,): the row of q (R, Vd) its
@@ -1005,11 +1005,8 @@ def accept_sampled_on_device(p, tree: DraftTree, rank, exists, qrow, q, draft_id
     cur = torch.zeros(1, dtype=torch.long, device=dev)
     alive = torch.ones(1, dtype=torch.bool, device=dev)
     r_stop, rows = p[0], [cur]
-    for level in range(depth + 1):
+    for _ in range(depth):
         r = p[cur][0]  # (V,)
-        if level == depth:  # a node at depth `depth` has no children: the walk stops there, nothing to try
-            r_stop = torch.where(alive, r, r_stop)
-            break
         qd = torch.zeros(V, device=dev, dtype=p.dtype).index_copy(0, draft_ids, q[qrow[cur]][0].to(p.dtype))
         took = torch.full((1,), -1, dtype=torch.long, device=dev)
         for i in range(k):
@@ -1029,6 +1026,7 @@ def accept_sampled_on_device(p, tree: DraftTree, rank, exists, qrow, q, draft_id
         cur = torch.where(down, took, cur)
         rows.append(torch.where(down, took, 0))
         alive = down
+    r_stop = torch.where(alive, p[cur][0], r_stop)  # a node at full depth has no children: the walk stops there
     rows = torch.cat(rows)  # (depth+1,)
     n = (rows[1:] > 0).sum(0, keepdim=True)
     return n, rows, gumbel_sample(r_stop[None], u_vocab[None])
