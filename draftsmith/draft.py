@@ -219,7 +219,7 @@ class Eagle3Drafter(nn.Module):
         if not backend:
             return fn
         step = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
-        traces = torch._dynamo.config.patch(recompile_limit=STEP_TRACES)  # made once: ~4 us a call, 27 anew
+        traces = torch._dynamo.config.patch(recompile_limit=STEP_TRACES)  # made once (logs/dynamo-config-patch-cost-cpu.json)
 
         def run(*args):
             with traces:
