@@ -219,7 +219,8 @@ class Eagle3Drafter(nn.Module):
         if not backend:
             return fn
         step = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
-        traces = torch._dynamo.config.patch(recompile_limit=STEP_TRACES)  # made once (logs/dynamo-config-patch-cost-cpu.json)
+        # made once: entering a reused patch costs less than making one (logs/dynamo-config-patch-cost-cpu.json)
+        traces = torch._dynamo.config.patch(recompile_limit=STEP_TRACES)
 
         def run(*args):
             with traces:
