@@ -5,7 +5,8 @@
 #            left before END (DECODE=0 skips the decode session: a budget too short for both);
 #   another card: NEXT, then the GPU tests of the kernels and decoding (PYTEST_K) if 200+ s are left.
 # NEXT: "recipe" (the default: recipe_session.sh's arms into OUT/recipe), "pipeline" (pipeline_session.sh into
-# OUT/pipeline: the whole pipeline and its bench, with TRAIN_STEPS, BENCH_S, PIPE_FLAGS passed through) or "none";
+# OUT/pipeline: the whole pipeline and its bench, with TRAIN_STEPS, BENCH_S, PIPE_FLAGS passed through), "bench"
+# (bench_session.sh into OUT/bench: the bench alone with the shipped drafter, SAMPLED_TREES, BENCH_FLAGS) or "none";
 # NEXT_H200 replaces NEXT on an H200 (a budget that holds the decode session and little else: NEXT_H200=none).
 # The scripts wait for the GGUF (and the arms for the carried answers) that later staging calls bring.
 # usage: bash benchmarks/card_session.sh OUT GGUF DATA END
@@ -18,8 +19,8 @@ echo "card: $card" >"$out/card.txt"
 next=${NEXT:-recipe}
 [[ "$card" == *H200* ]] && next=${NEXT_H200:-$next}
 case "$next" in
-  recipe|pipeline|none) ;;
-  *) echo "NEXT (or NEXT_H200) must be recipe, pipeline or none, not $next" >&2; exit 2 ;;
+  recipe|pipeline|bench|none) ;;
+  *) echo "NEXT (or NEXT_H200) must be recipe, pipeline, bench or none, not $next" >&2; exit 2 ;;
 esac
 echo "next: $next" >>"$out/card.txt"
 [[ "$card" == *H200* && "${DECODE:-1}" != 0 ]] && bash "$here/decode_session.sh" "$out/decode" "$gguf" "$data"
