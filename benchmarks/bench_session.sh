@@ -8,12 +8,8 @@
 # usage: bash benchmarks/bench_session.sh OUT GGUF DATA END
 set -uo pipefail
 out=${1:?usage: bench_session.sh OUT GGUF DATA END} gguf=${2:?GGUF} data=${3:?DATA} end=${4:?END (unix time)}
-# run from a copy: a later device call re-copies the working tree under a running job (a missing module mid-import)
-work=/tmp/bench-session-tree
-rm -rf "$work" && cp -r "$(cd "$(dirname "$0")/.." && pwd)" "$work" && cd "$work" || exit 1
-mkdir -p "$out"
-source benchmarks/session_steps.sh  # step NAME SECONDS CMD...; OUT/steps.txt
-step wait-gguf "${GGUF_WAIT:-400}" bash -c "until [ -e '$gguf' ]; do sleep 2; done"
+source "$(dirname "$0")/session_steps.sh" bench  # from /tmp/bench-session-tree; step NAME SECONDS CMD...; OUT/steps.txt
+wait_gguf 400 "$gguf"
 step bench $(( end - $(date +%s) )) python3 benchmarks/h200_run.py bench --gguf "$gguf" --data "$data" \
   --drafter draftsmith/assets/drafter --num-prompts 80 --no-with-8b --no-hf --topk 4 --tree-steps 5 --tree-tokens 15 \
   --greedy-trees 8x6x48 --sampled-trees "${SAMPLED_TREES:-auto,4x2x8,8x2x16}" ${BENCH_FLAGS:-} --out "$out/bench"

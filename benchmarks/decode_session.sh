@@ -15,15 +15,11 @@
 # usage: bash benchmarks/decode_session.sh OUT GGUF DATA
 set -uo pipefail
 out=${1:?usage: decode_session.sh OUT GGUF DATA} gguf=${2:?GGUF} data=${3:?DATA}
-# run from a copy: a later device call re-copies the working tree under a running job (a missing module mid-import)
-work=/tmp/decode-session-tree
-rm -rf "$work" && cp -r "$(cd "$(dirname "$0")/.." && pwd)" "$work" && cd "$work" || exit 1
-mkdir -p "$out"
-source benchmarks/session_steps.sh  # step NAME SECONDS CMD...; OUT/steps.txt
+source "$(dirname "$0")/session_steps.sh" decode  # from /tmp/decode-session-tree; step NAME SECONDS CMD...; OUT/steps.txt
 step engine "${ENGINE_LIMIT:-300}" python3 benchmarks/h200_run.py engine --sections "${SECTIONS:-llama8b_shape}" \
   --variants "${ENGINE_VARIANTS:-triton_default,triton_default_nopdl,triton_sweep}" --rows "${ROWS:-1,8}" \
   --sweep "${SWEEP_8B:-bk_max=256;slots=128;early_rows=0,1}" --out "$out/engine8b"
-step wait-gguf "${GGUF_WAIT:-300}" bash -c "until [ -e '$gguf' ]; do sleep 2; done"
+wait_gguf 300 "$gguf"
 step bench "${BENCH_LIMIT:-900}" python3 benchmarks/h200_run.py bench --gguf "$gguf" --data "$data" \
   --drafter draftsmith/assets/drafter --engine triton_sweep \
   --sweep "${SWEEP_SMOLLM2:-bk_max=256;slots=128;warps=2,4;split=32,64;merge_last=0,1}" \

@@ -42,7 +42,7 @@ if [ -n "${QUICK_ENGINES:-}" ]; then
   fi
   # the GGUF may still be arriving (staging calls after the one that started this job, which assemble it under another
   # name and then mv it into place): wait for it up to GGUF_WAIT seconds (300 unset)
-  step wait-gguf "${GGUF_WAIT:-300}" bash -c "until [ -e '${BENCH_GGUF:?QUICK_ENGINES needs BENCH_GGUF}' ]; do sleep 2; done"
+  wait_gguf 300 "${BENCH_GGUF:?QUICK_ENGINES needs BENCH_GGUF}"
   for engine in $QUICK_ENGINES; do
     step "bench-$engine" "${BENCH_LIMIT:-420}" python3 benchmarks/h200_run.py bench --gguf "$BENCH_GGUF" \
       --data "${BENCH_DATA:-/tmp/data}" --drafter draftsmith/assets/drafter --engine "$engine" --no-with-8b --no-hf \

@@ -12,12 +12,8 @@
 # usage: bash benchmarks/pipeline_session.sh OUT GGUF DATA END
 set -uo pipefail
 out=${1:?usage: pipeline_session.sh OUT GGUF DATA END} gguf=${2:?GGUF} data=${3:?DATA} end=${4:?END (unix time)}
-# run from a copy: a later device call re-copies the working tree under a running job (a missing module mid-import)
-work=/tmp/pipeline-session-tree
-rm -rf "$work" && cp -r "$(cd "$(dirname "$0")/.." && pwd)" "$work" && cd "$work" || exit 1
-mkdir -p "$out"
-source benchmarks/session_steps.sh  # step NAME SECONDS CMD...; OUT/steps.txt
-step wait-gguf "${GGUF_WAIT:-400}" bash -c "until [ -e '$gguf' ]; do sleep 2; done"
+source "$(dirname "$0")/session_steps.sh" pipeline  # from /tmp/pipeline-session-tree; step NAME SECONDS CMD...; OUT/steps.txt
+wait_gguf 400 "$gguf"
 step pipeline $(( end - $(date +%s) )) python3 benchmarks/h200_run.py both --gguf "$gguf" --data "$data" \
   --train-steps "${TRAIN_STEPS:-3700}" --gen-seconds "${GEN_SECONDS:-700}" --deadline $(( end - ${BENCH_S:-330} )) \
   --num-prompts 80 --no-with-8b --no-hf --topk 4 --tree-steps 5 --tree-tokens 15 --greedy-trees 8x6x48 \

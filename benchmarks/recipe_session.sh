@@ -19,11 +19,7 @@ set -uo pipefail
 out=${1:?usage: recipe_session.sh OUT GGUF DATA END} gguf=${2:?GGUF} data=${3:?DATA} end=${4:?END (unix time)}
 answers=${ANSWERS:-/tmp/answers12.jsonl.gz} steps=${ARM_STEPS:-900}
 arms=${ARMS:-"base:;decay0.5:--step-decay 0.5;depth2:--depth 2;lr2e-3:--lr 2e-3"}
-# run from a copy: a later device call re-copies the working tree under a running job (a missing module mid-import)
-work=/tmp/recipe-session-tree
-rm -rf "$work" && cp -r "$(cd "$(dirname "$0")/.." && pwd)" "$work" && cd "$work" || exit 1
-mkdir -p "$out"
-source benchmarks/session_steps.sh  # step NAME SECONDS CMD...; OUT/steps.txt
+source "$(dirname "$0")/session_steps.sh" recipe  # from /tmp/recipe-session-tree; step NAME SECONDS CMD...; OUT/steps.txt
 step wait-inputs "${INPUT_WAIT:-600}" bash -c "until [ -e '$gguf' ] && [ -e '$answers' ]; do sleep 2; done"
 longest=0
 IFS=';' read -ra list <<<"$arms"

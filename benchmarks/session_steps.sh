@@ -1,6 +1,14 @@
-# Sourced by the device session scripts (engine_session.sh, decode_session.sh) after they set $out:
+# Sourced by the device session scripts after they set $out: source "$(dirname "$0")/session_steps.sh" [NAME].
+# With NAME the script goes on from a copy of the repository, /tmp/NAME-session-tree (a later device call re-copies
+# the working tree under a running job: a missing module mid-import). Then
 # step NAME SECONDS CMD... runs CMD under a time limit and records its exit status and wall time in
-# OUT/steps.txt, which starts with the commit and the time.
+# OUT/steps.txt, which starts with the commit and the time; wait_gguf SECONDS GGUF is the step that waits for
+# the GGUF later staging calls assemble (GGUF_WAIT overrides SECONDS).
+if [ -n "${1:-}" ]; then
+  _tree=/tmp/$1-session-tree
+  rm -rf "$_tree" && cp -r "$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)" "$_tree" && cd "$_tree" || exit 1
+fi
+mkdir -p "$out"
 step() {
   local name=$1 limit=$2 t0
   shift 2
@@ -8,5 +16,8 @@ step() {
   echo "== $name: $*" | tee -a "$out/steps.txt"
   timeout "$limit" "$@"
   echo "== $name: rc $? after $(( $(date +%s) - t0 )) s" | tee -a "$out/steps.txt"
+}
+wait_gguf() {
+  step wait-gguf "${GGUF_WAIT:-$1}" bash -c "until [ -e '$2' ]; do sleep 2; done"
 }
 echo "commit ${DRAFTSMITH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)} $(date -u +%FT%TZ)" >"$out/steps.txt"
