@@ -11,6 +11,5 @@ out=${1:?usage: bench_session.sh OUT GGUF DATA END} gguf=${2:?GGUF} data=${3:?DA
 source "$(dirname "$0")/session_steps.sh" bench  # from /tmp/bench-session-tree; step NAME SECONDS CMD...; OUT/steps.txt
 wait_gguf 400 "$gguf"
 step bench $(( end - $(date +%s) )) python3 benchmarks/h200_run.py bench --gguf "$gguf" --data "$data" \
-  --drafter draftsmith/assets/drafter --num-prompts 80 --no-with-8b --no-hf --topk 4 --tree-steps 5 --tree-tokens 15 \
-  --greedy-trees 8x6x48 --sampled-trees "${SAMPLED_TREES:-auto,4x2x8,8x2x16}" ${BENCH_FLAGS:-} --out "$out/bench"
+  --drafter draftsmith/assets/drafter "${smollm2_bench[@]}" --sampled-trees "${SAMPLED_TREES:-auto,4x2x8,8x2x16}" ${BENCH_FLAGS:-} --out "$out/bench"
 touch "$out/done"

@@ -16,8 +16,7 @@ source "$(dirname "$0")/session_steps.sh" pipeline  # from /tmp/pipeline-session
 wait_gguf 400 "$gguf"
 step pipeline $(( end - $(date +%s) )) python3 benchmarks/h200_run.py both --gguf "$gguf" --data "$data" \
   --train-steps "${TRAIN_STEPS:-3700}" --gen-seconds "${GEN_SECONDS:-700}" --deadline $(( end - ${BENCH_S:-330} )) \
-  --num-prompts 80 --no-with-8b --no-hf --topk 4 --tree-steps 5 --tree-tokens 15 --greedy-trees 8x6x48 \
-  --sampled-trees auto ${PIPE_FLAGS:-} --out "$out/pipe"
+  "${smollm2_bench[@]}" --sampled-trees auto ${PIPE_FLAGS:-} --out "$out/pipe"
 left=$(( end - $(date +%s) ))
 if [ "$left" -gt 150 ]; then
   step pytest-gpu "$left" bash -c "set -o pipefail; python3 -m pytest -v --tb=short -m gpu tests/test_kernels.py \

@@ -3,12 +3,14 @@
 # the working tree under a running job: a missing module mid-import). Then
 # step NAME SECONDS CMD... runs CMD under a time limit and records its exit status and wall time in
 # OUT/steps.txt, which starts with the commit and the time; wait_gguf SECONDS GGUF is the step that waits for
-# the GGUF later staging calls assemble (GGUF_WAIT overrides SECONDS).
+# the GGUF later staging calls assemble (GGUF_WAIT overrides SECONDS); smollm2_bench holds the SmolLM2 bench's
+# settings that the pipeline's bench and the bench-only session share (run 14's: their figures compare).
 if [ -n "${1:-}" ]; then
   _tree=/tmp/$1-session-tree
   rm -rf "$_tree" && cp -r "$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)" "$_tree" && cd "$_tree" || exit 1
 fi
 mkdir -p "$out"
+smollm2_bench=(--num-prompts 80 --no-with-8b --no-hf --topk 4 --tree-steps 5 --tree-tokens 15 --greedy-trees 8x6x48)
 step() {
   local name=$1 limit=$2 t0
   shift 2
