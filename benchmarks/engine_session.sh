@@ -22,9 +22,7 @@ out=${1:?usage: engine_session.sh OUT [VARIANTS] [SWEEP]}
 variants=${2:-compiled,triton,triton_pdl,triton_ksplit2,triton_pdl_ksplit2,triton_pdl_ksplit4,triton_pdl_ksplit4_pairs32_split64,triton_sweep}
 # triton_sweep's grid (h200_run.py --sweep): 16 tunings around the H100's fastest 8B one (cols=16 and merge_last were slower there)
 sweep=${3:-"bk_max=256;pairs=16,32;split=64,256;ksplit=1,4;pdl=0,1"}
-mkdir -p "$out"
-cd "$(dirname "$0")/.."
-source benchmarks/session_steps.sh  # step NAME SECONDS CMD...; OUT/steps.txt
+source "$(dirname "$0")/session_steps.sh" engine  # from /tmp/engine-session-tree; step NAME SECONDS CMD...; OUT/steps.txt
 if [ -n "${QUICK_ENGINES:-}" ]; then
   # QUICK_ENGINES="triton triton_pdl" (with BENCH_GGUF): the GPU tests whose names match QUICK_TESTS (a pytest -k
   # expression; none when unset), then the real-model bench (shipped drafter, T=0 (BENCH_T1=1 adds T=1), no HF, no 8B) on each engine, with

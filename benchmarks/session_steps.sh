@@ -1,14 +1,17 @@
-# Sourced by the device session scripts after they set $out: source "$(dirname "$0")/session_steps.sh" [NAME].
-# With NAME the script goes on from a copy of the repository, /tmp/NAME-session-tree (a later device call re-copies
-# the working tree under a running job: a missing module mid-import). Then
+# Sourced by the device session scripts after they set $out: source "$(dirname "$0")/session_steps.sh" NAME.
+# The script goes on from a copy of the repository, /tmp/NAME-session-tree (a later device call re-copies the
+# working tree under a running job: a missing module mid-import). NAME is required and a plain word: `source` without
+# arguments would hand this file the caller's own $1 (its OUT path). Then
 # step NAME SECONDS CMD... runs CMD under a time limit and records its exit status and wall time in
 # OUT/steps.txt, which starts with the commit and the time; wait_gguf SECONDS GGUF is the step that waits for
 # the GGUF later staging calls assemble (GGUF_WAIT overrides SECONDS); smollm2_bench holds the SmolLM2 bench's
 # settings that the pipeline's bench and the bench-only session share (run 14's: their figures compare).
-if [ -n "${1:-}" ]; then
-  _tree=/tmp/$1-session-tree
-  rm -rf "$_tree" && cp -r "$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)" "$_tree" && cd "$_tree" || exit 1
+if [[ ! "${1:-}" =~ ^[a-z0-9]+$ ]]; then
+  echo "session_steps.sh: give the session a plain name (source .../session_steps.sh NAME), not '${1:-}'" >&2
+  exit 2
 fi
+_tree=/tmp/$1-session-tree
+rm -rf "$_tree" && cp -r "$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)" "$_tree" && cd "$_tree" || exit 1
 mkdir -p "$out"
 smollm2_bench=(--num-prompts 80 --no-with-8b --no-hf --topk 4 --tree-steps 5 --tree-tokens 15 --greedy-trees 8x6x48)
 step() {
