@@ -5,11 +5,16 @@
 # step NAME SECONDS CMD... runs CMD under a time limit and records its exit status and wall time in
 # OUT/steps.txt, which starts with the commit and the time; wait_gguf SECONDS GGUF is the step that waits for
 # the GGUF later staging calls assemble (GGUF_WAIT overrides SECONDS); smollm2_bench holds the SmolLM2 bench's
-# settings that the pipeline's bench and the bench-only session share (run 14's: their figures compare).
+# settings that the pipeline's bench and the bench-only session share (run 14's: their figures compare). OUT, GGUF
+# and DATA are made absolute first, so relative paths mean the directory the script was started from.
 if [[ ! "${1:-}" =~ ^[a-z0-9]+$ ]]; then
   echo "session_steps.sh: give the session a plain name (source .../session_steps.sh NAME), not '${1:-}'" >&2
   exit 2
 fi
+# paths given relative to where the script was started stay there after the cd below
+out=$(realpath -ms "$out")
+[ -n "${gguf:-}" ] && gguf=$(realpath -ms "$gguf")
+[ -n "${data:-}" ] && data=$(realpath -ms "$data")
 _tree=/tmp/$1-session-tree
 rm -rf "$_tree" && cp -r "$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)" "$_tree" && cd "$_tree" || exit 1
 mkdir -p "$out"
