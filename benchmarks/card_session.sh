@@ -13,7 +13,7 @@
 set -uo pipefail
 out=${1:?usage: card_session.sh OUT GGUF DATA END} gguf=${2:?GGUF} data=${3:?DATA} end=${4:?END (unix time)}
 here=$(cd "$(dirname "$0")" && pwd)
-out=$(realpath -ms "$out") gguf=$(realpath -ms "$gguf") data=$(realpath -ms "$data")  # the tests below run elsewhere
+out=$(realpath -ms "$out")  # the GPU tests below write to it from the session's copy of the repo
 mkdir -p "$out"
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 echo "card: $card" >"$out/card.txt"

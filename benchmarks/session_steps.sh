@@ -11,7 +11,6 @@ if [[ ! "${1:-}" =~ ^[a-z0-9]+$ ]]; then
   echo "session_steps.sh: give the session a plain name (source .../session_steps.sh NAME), not '${1:-}'" >&2
   exit 2
 fi
-# paths given relative to where the script was started stay there after the cd below
 out=$(realpath -ms "$out")
 [ -n "${gguf:-}" ] && gguf=$(realpath -ms "$gguf")
 [ -n "${data:-}" ] && data=$(realpath -ms "$data")
