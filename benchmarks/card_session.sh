@@ -6,7 +6,8 @@
 #   another card: NEXT, then the GPU tests of the kernels and decoding (PYTEST_K) if 200+ s are left.
 # NEXT: "recipe" (the default: recipe_session.sh's arms into OUT/recipe), "pipeline" (pipeline_session.sh into
 # OUT/pipeline: the whole pipeline and its bench, with TRAIN_STEPS, BENCH_S, PIPE_FLAGS passed through), "bench"
-# (bench_session.sh into OUT/bench: the bench alone with the shipped drafter, SAMPLED_TREES, BENCH_FLAGS) or "none";
+# (bench_session.sh into OUT/bench: the bench alone with the shipped drafter, BENCH_FLAGS) or "none"; both time
+# the T=1 trees of SAMPLED_TREES;
 # NEXT_H200 replaces NEXT on an H200 (a budget that holds the decode session and little else: NEXT_H200=none).
 # The scripts wait for the GGUF (and the arms for the carried answers) that later staging calls bring.
 # usage: bash benchmarks/card_session.sh OUT GGUF DATA END

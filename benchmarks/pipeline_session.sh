@@ -3,9 +3,8 @@
 # first staging call: it waits for the GGUF (later staging calls assemble it), runs the whole pipeline on the
 # default recipe (h200_run.py both: regeneration, self-written prompts, sampled chat answers, online training at
 # TTT depth 3 with a draft vocab of 8,192 (run 13's recipe), export, then the bench: plain, chain 5, the 4x5x15
-# tree beside 8x6x48, T=1 sampled trees 1x2x2 (the fastest measured at T=1:
-# logs/h100-bench-t1-shapes-80-534bcbf.json) and 4x5x15 (auto: runs 12-14's), fp32 check) into OUT/pipe, then the
-# GPU kernel tests if time is left before END.
+# tree beside 8x6x48, T=1 sampled trees (SAMPLED_TREES, session_steps.sh), fp32 check) into OUT/pipe, then the GPU
+# kernel tests if time is left before END.
 #   END: unix time by which the job must be done (the session's device budget). Training stops checkpointed
 #   BENCH_S seconds (default 330) before it so that the bench fits; the tests run only with 150+ s left.
 # Each step writes OUT/steps.txt lines (rc, seconds); OUT/done at the end. Environment overrides: TRAIN_STEPS
@@ -18,7 +17,7 @@ source "$(dirname "$0")/session_steps.sh" pipeline  # from /tmp/pipeline-session
 wait_gguf 400 "$gguf"
 step pipeline $(( end - $(date +%s) )) python3 benchmarks/h200_run.py both --gguf "$gguf" --data "$data" \
   --train-steps "${TRAIN_STEPS:-3700}" --gen-seconds "${GEN_SECONDS:-700}" --deadline $(( end - ${BENCH_S:-330} )) \
-  "${smollm2_bench[@]}" --sampled-trees 1x2x2,auto ${PIPE_FLAGS:-} --out "$out/pipe"
+  "${smollm2_bench[@]}" ${PIPE_FLAGS:-} --out "$out/pipe"
 left=$(( end - $(date +%s) ))
 if [ "$left" -gt 150 ]; then
   step pytest-gpu "$left" bash -c "set -o pipefail; python3 -m pytest -v --tb=short -m gpu tests/test_kernels.py \
