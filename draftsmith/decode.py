@@ -79,12 +79,16 @@ def generate_batch(model: Transformer, prompts: list[list[int]], max_new: int, e
                    top_p: float = 1.0, generator=None) -> list[list[int]]:
     """Answer several prompts at once: left-padded into one static cache, each row with its own
     rotary positions and a mask that hides its padding. On the CPU finished rows leave the batch at
-    once. On CUDA (greedy) the decode step is a CUDA graph for the batch's size; tokens stay on the
-    device, finished rows run on (their tokens after EOS are cut) and the host looks every
-    `CHECK_EVERY` steps, compacting the batch once at most half of it is still live."""
+    once. On CUDA the decode step is a CUDA graph for the batch's size; tokens stay on the device,
+    finished rows run on (their tokens after EOS are cut) and the host looks every `CHECK_EVERY`
+    steps, compacting the batch once at most half of it is still live. Sampling (temperature > 0)
+    draws each step's token with gumbel_sample from uniforms the host draws from `generator` into
+    the step's input (a captured graph cannot draw from a user generator), so a sampled batch runs
+    the same captured steps as a greedy one."""
     dev = model.embed_tokens.weight.device
-    graphed = dev.type == "cuda" and temperature <= 0
+    graphed = dev.type == "cuda"
     graphs = Graphs(graphed)
+    sampled = temperature > 0
     B, L = len(prompts), max(len(p) for p in prompts)
     model.setup_caches(B, L + max_new)
     pad = torch.tensor([L - len(p) for p in prompts], device=dev)  # (B,)
@@ -92,19 +96,24 @@ def generate_batch(model: Transformer, prompts: list[list[int]], max_new: int, e
     slots = torch.arange(model.max_len, device=dev)  # the cache may be longer than L + max_new
     eos = torch.tensor(sorted(eos_ids) or [-1], device=dev)
 
-    def step(tokens, pos, pad):  # (B, T) at slots pos -> (B,) the next token of every row
+    def step(tokens, pos, pad, u):  # (B, T) at slots pos, uniforms (B, V) or (0,) -> (B,) the next token of every row
         # a padding query sees only itself (no row is fully masked); real queries never see padding
         mask = (slots[None, None, :] <= pos[None, :, None]) & ((slots[None, None, :] >= pad[:, None, None])
                                                                 | (slots[None, None, :] == pos[None, :, None]))
         rope = (pos[None, :] - pad[:, None]).clamp(min=0)  # (B, T)
-        hidden = model(tokens, pos, mask[:, None], rope).hidden
-        return sample(model.logits(hidden[:, -1]), temperature, top_p, generator)
+        logits = model.logits(model(tokens, pos, mask[:, None], rope).hidden[:, -1])
+        return gumbel_sample(probs(logits, temperature, top_p), u) if sampled else logits.argmax(-1)
+
+    noise = torch.empty(B if sampled else 0, model.args.vocab_size if sampled else 0, device=dev)
+
+    def uniforms(n):  # this step's uniforms for n rows (none when greedy)
+        return noise[:n].uniform_(generator=generator) if sampled else noise
 
     rows = list(range(B))  # which prompt each batch row holds
     answers: list[list[int]] = [[] for _ in prompts]
     history = torch.zeros(B, max_new, dtype=torch.long, device=dev)  # tokens of the rows still in the batch
     done = torch.zeros(B, dtype=torch.bool, device=dev)
-    nxt = step(tokens, torch.arange(L, device=dev), pad)  # prefill
+    nxt = step(tokens, torch.arange(L, device=dev), pad, uniforms(B))  # prefill
     pos = torch.tensor([L], device=dev)
     for i in range(max_new):
         history[:, i] = nxt
@@ -124,7 +133,7 @@ def generate_batch(model: Transformer, prompts: list[list[int]], max_new: int, e
                 rows, pad, history, done, nxt = [rows[j] for j in keep], pad[index], history[index], done[index], nxt[index]
                 model.keep_rows(index)
                 graphs.clear()  # its graphs read the caches keep_rows just replaced
-        nxt = graphs(("gen", len(rows)), step, nxt[:, None], pos, pad)
+        nxt = graphs(("gen", len(rows)), step, nxt[:, None], pos, pad, uniforms(len(rows)))
         pos += 1
     return answers
 

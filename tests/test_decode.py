@@ -5,7 +5,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from draftsmith.cudagraph import Graphs, eager
-from draftsmith.decode import decode_chain, decode_plain
+from draftsmith.decode import decode_chain, decode_plain, generate_batch
 from draftsmith.draft import DraftConfig
 
 from helpers import OracleDrafter, tiny_drafter, tiny_native
@@ -662,6 +662,57 @@ def test_sampled_plain_matches_the_targets_own_distribution(one_thread, monkeypa
         assert (exact == 0).any() and got[exact == 0].sum() == 0
         monkeypatch.setattr(decode, "gumbel_sample", lambda p, u: (p * u).argmax(-1))  # argmax(log p + log u)
         assert total_variation(sampled_joint(target, prompt, temp, top_p, 300), exact) > 0.25
+
+
+def batch_joint(target, prompts: list[torch.Tensor], temp: float, top_p: float, n: int) -> torch.Tensor:
+    """(len(prompts), V, V) the empirical joint of the 2nd and 3rd tokens generate_batch samples after each
+    prompt: n rows of every prompt in one left-padded batch."""
+    V = target.args.vocab_size
+    rows = [p[0].tolist() for p in prompts for _ in range(n)]
+    answers = generate_batch(target, rows, 3, (), temp, top_p, torch.Generator(prompts[0].device).manual_seed(0))
+    counts = torch.zeros(len(prompts), V, V)
+    for i, a in enumerate(answers):
+        counts[i // n, a[1], a[2]] += 1
+    return counts / n
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_batched_sampling_matches_the_targets_own_distribution(monkeypatch, device):
+    """generate_batch at temperature > 0 (how training answers are sampled) draws with gumbel_sample from
+    uniforms the host draws per step, so on CUDA its steps are captured graphs like greedy ones. For two
+    prompts of different lengths (left padding) in one batch, the joint of the 2nd and 3rd tokens matches
+    each prompt's exact one and top-p's cut tokens never appear; a wrong noise transform fails."""
+    import draftsmith.decode as decode
+
+    target = tiny_native(vocab=8).to(device)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 8, (1, T), generator=g).to(device) for T in (5, 3)]
+    exact = [exact_joint(target, p, 0.7, 0.8) for p in prompts]
+    got = batch_joint(target, prompts, 0.7, 0.8, 600)
+    for i in range(len(prompts)):
+        assert total_variation(got[i], exact[i]) < 0.17  # as test_sampled_plain_matches_the_targets_own_distribution
+        assert (exact[i] == 0).any() and got[i][exact[i] == 0].sum() == 0
+    if device == "cpu":
+        monkeypatch.setattr(decode, "gumbel_sample", lambda p, u: (p * u).argmax(-1))  # argmax(log p + log u)
+        assert min(total_variation(a, b) for a, b in zip(batch_joint(target, prompts, 0.7, 0.8, 300), exact)) > 0.25
+        return
+    import warnings
+
+    def syncs(max_new):  # host syncs of a sampled batch of 4 rows that never stops early
+        gen = torch.Generator(device).manual_seed(0)
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                out = generate_batch(target, [prompts[0][0].tolist()] * 4, max_new, (), 0.8, 0.9, gen)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert [len(a) for a in out] == [max_new] * 4
+        return len([w for w in caught if "synchroniz" in str(w.message)])
+
+    # captured steps: the host looks once per CHECK_EVERY steps (it used to after every sampled step)
+    assert syncs(4 * decode.CHECK_EVERY) - syncs(decode.CHECK_EVERY) <= 6
 
 
 def test_sampled_chain_matches_the_targets_own_distribution(monkeypatch):

@@ -131,8 +131,10 @@ def test_the_target_writes_its_own_prompts_each_kept_once_after_a_crash(tiny_tar
     header = "<|im_start|>system\nYou are a tiny test model.<|im_end|>\n<|im_start|>user\n"
     assert user_header_ids(tok) == tok(header, add_special_tokens=False)["input_ids"]
     prompts = write_prompts(tmp_path / "p.jsonl", 3)
+    # the random tiny target ends ~10% of its user turns usably, near write_self_prompts' 5% floor after 4 batches:
+    # a seed under which it clears the floor (the draws are deterministic; seed 2 does not)
     cfg = GenerateConfig(target=str(tiny_target_dir), prompts=(str(prompts),), out=str(tmp_path / "gen"),
-                         max_new_tokens=8, batch_size=8, self_prompts=5, self_prompt_max_tokens=48)
+                         max_new_tokens=8, batch_size=8, self_prompts=5, self_prompt_max_tokens=48, seed=1)
     real = generate.generate_batch
     calls = []
 

@@ -1,0 +1,70 @@
+"""Batched answer generation on CUDA, greedy and sampled: what the pipeline's regeneration runs
+(generate.run -> decode.generate_batch), timed on a random SmolLM2-135M-shaped target in bf16 with
+prompts of random tokens. A random EOS set of --eos-tokens ids ends rows at different steps, as real
+answers end (sampled rows: about eos_tokens / vocab a step; greedy rows of random weights seldom end).
+
+    python benchmarks/gen_batch.py --out $OUT/gen-batch.json
+
+Prints one line a temperature and, last, one JSON document (also written to --out): tok/s, rows,
+tokens, mean answer length, seconds, the first batch (graph capture) left out of the timing.
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from draftsmith.bench import device_name, git_commit  # noqa: E402
+from draftsmith.decode import generate_batch  # noqa: E402
+from h200_run import SMOLLM2, random_model  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=3072, help="prompts timed (after one warm-up batch)")
+    ap.add_argument("--batch", type=int, default=1024, help="rows a batch (h200_run --gen-batch)")
+    ap.add_argument("--max-new", type=int, default=256)
+    ap.add_argument("--min-len", type=int, default=30)
+    ap.add_argument("--max-len", type=int, default=300)
+    ap.add_argument("--eos-tokens", type=int, default=500)
+    ap.add_argument("--temperatures", default="0.8,0")
+    ap.add_argument("--out", type=Path)
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("gen_batch.py times CUDA generation: no CUDA device here")
+    torch.manual_seed(0)
+    model = random_model(SMOLLM2)
+    V = SMOLLM2.vocab_size
+    eos = tuple(torch.randperm(V)[: a.eos_tokens].tolist())
+    lens = torch.randint(a.min_len, a.max_len + 1, (a.batch + a.prompts,)).sort().values.tolist()
+    prompts = [torch.randint(0, V, (n,)).tolist() for n in lens]
+    res = {"command": "python " + " ".join(sys.argv), "commit": git_commit(), "device": device_name("cuda"),
+           "shape": "SmolLM2-135M (random weights, bf16)", "batch": a.batch, "prompts": a.prompts,
+           "max_new": a.max_new, "eos_tokens": a.eos_tokens}
+    for temp in (float(t) for t in a.temperatures.split(",")):
+        gen = torch.Generator("cuda").manual_seed(0)
+        generate_batch(model, prompts[: a.batch], a.max_new, eos, temp, 0.95, gen)  # warm-up: captures, allocator
+        torch.cuda.synchronize()
+        t0, tokens = time.perf_counter(), 0
+        for i in range(a.batch, len(prompts), a.batch):
+            tokens += sum(map(len, generate_batch(model, prompts[i : i + a.batch], a.max_new, eos, temp, 0.95, gen)))
+        torch.cuda.synchronize()
+        s = time.perf_counter() - t0
+        row = {"tok_s": round(tokens / s, 1), "tokens": tokens, "mean_answer": round(tokens / a.prompts, 1), "seconds": round(s, 2)}
+        res[f"t{temp:g}"] = row
+        print(f"temperature {temp:g}: {row}", flush=True)
+    text = json.dumps(res)
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
