@@ -19,6 +19,11 @@ the host-driven tree loop (tree_loop) too with --host-loop. Variants:
 (the Triton ones are h200_run.TRITON_VARIANTS)
 
     python benchmarks/tree_cycle.py --variants compiled,triton_torch_commit,triton,triton_unsplit --out $OUT/tree-cycle.json
+With --temperatures 0,1 the same shapes are timed at T=1 too (plain sampling and each tree shape's sampled cycle:
+draft_sampled then verify_sampled, or verify_top by TreeSpec.draws_at), and with --profile every captured step
+(plain, tree drafts and verifies, greedy and sampled) gets h200_run.kernel_profile's kernel count, device ms and
+top kernels: where a T=1 cycle's verify spends what a greedy one does not, e.g.
+    python benchmarks/tree_cycle.py --variants triton_default --specs 1x2x2,4x5x15 --temperatures 0,1 --profile
 The last stdout line is one JSON document (also written to --out).
 """
 
@@ -37,14 +42,15 @@ from draftsmith.bench import git_commit  # noqa: E402
 from draftsmith.cudagraph import Graphs  # noqa: E402
 from draftsmith.decode import TreeSpec, decode_chain, decode_plain, decode_tree, tree_loop  # noqa: E402
 from draftsmith.draft import DraftConfig, Eagle3Drafter  # noqa: E402
-from h200_run import SMOLLM2, TRITON_VARIANTS, optimize_for, random_model, step_times  # noqa: E402
+from h200_run import SMOLLM2, TRITON_VARIANTS, kernel_profile, optimize_for, random_model, step_times  # noqa: E402
 
 
 def spec_name(spec: TreeSpec) -> str:
     return f"{spec.topk}x{spec.steps}x{spec.num_draft_tokens}"
 
 
-def measure(model, drafter, specs: list[TreeSpec], chain_k: int, max_new: int, rows, host_loop: bool) -> dict:
+def measure(model, drafter, specs: list[TreeSpec], chain_k: int, max_new: int, rows, host_loop: bool,
+            temperatures=(0.0,), profile: bool = False) -> dict:
     graphs = Graphs(True)
     x = torch.randint(0, 1000, (1, 128), device="cuda")
     res = step_times(model, torch.tensor([300], device="cuda"), rows, graphs)
@@ -54,6 +60,12 @@ def measure(model, drafter, specs: list[TreeSpec], chain_k: int, max_new: int, r
         runs[f"tree{spec_name(spec)}_device"] = lambda spec=spec: decode_tree(model, drafter, x, max_new, spec, (), graphs)
         if host_loop:
             runs[f"tree{spec_name(spec)}_host"] = lambda spec=spec: tree_loop(model, drafter, x, max_new, spec, (), graphs)
+    gen = torch.Generator("cuda").manual_seed(0)
+    for temp in (t for t in temperatures if t > 0):  # T=1 cycles against plain sampling (top-p 1)
+        runs[f"plain_t{temp:g}"] = lambda temp=temp: decode_plain(model, x, max_new, (), graphs, temp, generator=gen)
+        for spec in specs:
+            runs[f"tree{spec_name(spec)}_device_t{temp:g}"] = lambda spec=spec, temp=temp: decode_tree(
+                model, drafter, x, max_new, spec, (), graphs, temp, generator=gen)
     for name, run in runs.items():
         t = time.perf_counter()
         run()  # compilation and capture
@@ -65,9 +77,27 @@ def measure(model, drafter, specs: list[TreeSpec], chain_k: int, max_new: int, r
             r.update(cycles=cycles, tau=round(sum(gen.accept_lengths) / cycles, 3),
                      cycle_ms=round(1e3 * (gen.seconds - gen.prefill_seconds) / cycles, 4),
                      draft_ms=round(1e3 * gen.draft_seconds / cycles, 4), verify_ms=round(1e3 * gen.verify_seconds / cycles, 4))
-            r["cycle_over_step"] = round(r["cycle_ms"] / res["plain"]["ms_per_token"], 3)
+            plain = "plain" + name[name.rfind("_t"):] if name.endswith(tuple(f"_t{t:g}" for t in temperatures if t > 0)) else "plain"
+            r["cycle_over_step"] = round(r["cycle_ms"] / res[plain]["ms_per_token"], 3)
         res[name] = r
+    if profile:  # the one-token target step and every captured tree step, replayed once more under the profiler
+        # (with its last inputs: the same slots; decode_plain's self-advancing loop is left out, a replay would
+        # step past its cache)
+        res["profile"] = {step_name(key): kernel_profile(graph.replay, top_n=25)
+                          for key, (_, graph, _) in graphs.entries.items() if key == ("plain", 1) or key[0] in TREE_STEPS}
     return res
+
+
+TREE_STEPS = ("tree-draft", "tree-verify")
+
+
+def step_name(key: tuple) -> str:
+    """A Graphs key of step_times or decode_tree as text: step, tree shape, draws, temperature."""
+    if key[0] not in TREE_STEPS:
+        return f"target step, {key[1]} rows"
+    spec = key[1]
+    temp = key[key.index("sampled") + 1] if "sampled" in key else 0.0
+    return f"{key[0]} {spec_name(spec)} {spec.draws_at(temp)} T={temp:g}"
 
 
 def main():
@@ -79,6 +109,8 @@ def main():
     ap.add_argument("--max-new", type=int, default=256)
     ap.add_argument("--rows", default="1,8,16,17,32,49,64", help="target pass sizes to time")
     ap.add_argument("--host-loop", action="store_true", help="also time the host-driven loop (tree_loop)")
+    ap.add_argument("--temperatures", default="0", help="also time plain sampling and the sampled cycles at each T > 0")
+    ap.add_argument("--profile", action="store_true", help="kernel profile of every captured plain and tree step")
     ap.add_argument("--out", help="also write the JSON here")
     a = ap.parse_args()
     variants = a.variants.split(",")
@@ -104,7 +136,8 @@ def main():
         try:
             optimize_for(model, variant)
             with torch.no_grad():
-                res[variant] = measure(model, drafter, specs, a.chain, a.max_new, rows, a.host_loop)
+                res[variant] = measure(model, drafter, specs, a.chain, a.max_new, rows, a.host_loop,
+                                       tuple(float(t) for t in a.temperatures.split(",")), a.profile)
         except Exception as e:  # noqa: BLE001 - recorded; the next variant still runs
             res[variant] = {"error": repr(e)[:500]}
         res[variant]["setup_and_measure_s"] = round(time.perf_counter() - t, 1)
