@@ -25,8 +25,7 @@ import torch
 from draftsmith.common import Progress, dtype_of, rows_table, write_result
 from draftsmith.data import load_eval, prompt_ids
 from draftsmith.cudagraph import Graphs
-from draftsmith.decode import (TreeSpec, decode_chain, decode_chain_sampled, decode_plain, decode_tree,
-                               decode_tree_sampled, greedy_agreement)
+from draftsmith.decode import TreeSpec, decode_chain, decode_plain, decode_tree, decode_tree_sampled, greedy_agreement
 from draftsmith.export import load_any
 from draftsmith.target import load_target
 
@@ -169,11 +168,10 @@ def run(config: BenchConfig) -> BenchResult:
         return decode_plain(model, x, n, target.eos_ids, graphs, config.temperature, config.top_p, gen)
 
     def spec(x, n):
-        if config.temperature > 0 and config.mode == "tree":
-            return decode_tree_sampled(model, drafter, x, n, tree, config.temperature, config.top_p, target.eos_ids, gen,
+        if config.temperature > 0:  # a sampled chain is the top-1 sampled tree: Leviathan's rule, on the device
+            shape = tree if config.mode == "tree" else TreeSpec(1, k, k, "sample")
+            return decode_tree_sampled(model, drafter, x, n, shape, config.temperature, config.top_p, target.eos_ids, gen,
                                        graphs)
-        if config.temperature > 0:
-            return decode_chain_sampled(model, drafter, x, n, k, config.temperature, config.top_p, target.eos_ids, gen)
         if config.mode == "tree":
             return decode_tree(model, drafter, x, n, tree, target.eos_ids, graphs)
         return decode_chain(model, drafter, x, n, k, target.eos_ids, graphs)

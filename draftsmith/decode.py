@@ -462,7 +462,9 @@ def decode_chain_sampled(model: Transformer, drafter: Eagle3Drafter, prompt: tor
                          temperature: float, top_p: float = 1.0, eos_ids=(), generator=None) -> Generation:
     """Chain speculation at temperature > 0 whose output is distributed exactly as the target's own
     sampling (same temperature and top-p): drafts are sampled from the drafter's distribution and
-    accepted or corrected by speculative_accept."""
+    accepted or corrected by speculative_accept. The host-driven reference (eager, a sync per cycle):
+    bench runs a sampled chain of k as decode_tree_sampled with TreeSpec(1, k, k, "sample"), the same
+    rule on the device-resident cycle."""
     dev = prompt.device
     T = prompt.shape[1]
     V = model.args.vocab_size

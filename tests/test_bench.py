@@ -3,6 +3,7 @@ import json
 import pytest
 
 from draftsmith.bench import BenchConfig, run, table
+from draftsmith.decode import TreeSpec
 from draftsmith.export import export_sglang, save_trained
 
 from helpers import tiny_drafter
@@ -46,12 +47,20 @@ def test_bench_reports_identical_outputs_and_accept_lengths(tiny_target_dir, tmp
     assert saved["lossless"] is True and len(saved["per_prompt"]) == 3
 
 
-def test_bench_samples_with_trees(tiny_target_dir, tmp_path):
+@pytest.mark.parametrize("mode", ["tree", "chain"])
+def test_bench_samples_with_trees(tiny_target_dir, tmp_path, monkeypatch, mode):
+    """At T > 0 both modes run the device-resident sampled tree cycle (a chain of k: TreeSpec(1, k, k, "sample"))."""
+    import draftsmith.bench as bench
+
     target = load_target(str(tiny_target_dir))
     path = save_trained(tiny_drafter(target.model, draft_vocab=200), tmp_path / "trained")
     prompts = write_prompts(tmp_path / "mt.jsonl")
+    shapes, real = [], bench.decode_tree_sampled
+    monkeypatch.setattr(bench, "decode_tree_sampled", lambda *a, **k: shapes.append(a[4]) or real(*a, **k))
     r = run(BenchConfig(target=str(tiny_target_dir), drafter=str(path), prompts=str(prompts), num_prompts=2,
-                        max_new_tokens=12, mode="tree", topk=2, steps=3, num_draft_tokens=4, temperature=0.8, top_p=0.9))
+                        max_new_tokens=12, mode=mode, topk=2, steps=3, num_draft_tokens=4, draft_tokens=3,
+                        temperature=0.8, top_p=0.9))
+    assert set(shapes) == {TreeSpec(2, 3, 4) if mode == "tree" else TreeSpec(1, 3, 3, "sample")}
     assert r.prompts == 2 and r.tau_mean >= 1.0 and r.draft_s > 0 and r.verify_s > 0
     assert sum(int(k) * v for k, v in r.tau_hist.items()) + 2 >= sum(p["spec_tokens"] for p in r.per_prompt)
     # sampled runs are not compared token by token: the report says so instead of claiming identical outputs

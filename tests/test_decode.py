@@ -892,15 +892,17 @@ def bigram_pair():
     return BigramTarget(p), BigramDrafter(q)
 
 
-def bigram_tv(n: int, kind: str = "device", draws: str = "sample") -> tuple[float, float]:
-    """TV distances of tokens 2-3 (jointly) and of token 2 from the exact target over n runs."""
+def bigram_tv(n: int, kind: str = "device", draws: str = "sample", spec: TreeSpec | None = None) -> tuple[float, float]:
+    """TV distances of tokens 2-3 (jointly) and of token 2 from the exact target over n runs (of a 2x2x2 tree
+    unless `spec`)."""
     target, drafter = bigram_pair()
     p = probs(target.table, 1.0)
     exact = p[0][:, None] * p  # (4, 4): x1 is always 0
     gen, prompt = torch.Generator().manual_seed(0), torch.tensor([[3]])
+    spec = spec or TreeSpec(2, 2, 2, draws)
     counts = torch.zeros(4, 4)
     for _ in range(n):
-        tokens = tree_sampler(kind)(target, drafter, prompt, 3, TreeSpec(2, 2, 2, draws), 1.0, generator=gen).tokens
+        tokens = tree_sampler(kind)(target, drafter, prompt, 3, spec, 1.0, generator=gen).tokens
         counts[tokens[1], tokens[2]] += 1
     return total_variation(counts / n, exact), total_variation(counts.sum(1) / n, exact.sum(1))
 
@@ -919,6 +921,17 @@ def test_sampled_tree_is_lossless_on_bigram_models(one_thread, monkeypatch, kind
         assert bigram_tv(300, kind)[1] > 0.25
     monkeypatch.setattr(decode, "children_sampled", scored_by_own_token(prefix=False))
     assert bigram_tv(300, kind)[1] > 0.12
+
+
+def test_a_sampled_chain_on_the_device_is_lossless_on_bigram_models(one_thread, monkeypatch):
+    """What bench runs for --mode chain at T > 0: the device-resident cycle with TreeSpec(1, k, k, "sample"),
+    a chain of k drafts sampled from the drafter, each kept with probability min(1, p/q) (recursive
+    rejection over one sibling is Leviathan's rule). The joint matches; always keeping the draft fails."""
+    chain = TreeSpec(1, 2, 2, "sample")
+    joint, first = bigram_tv(2000, spec=chain)
+    assert joint < 0.06 and first < 0.045  # as the sampled tree's bounds (same counts, same exact table)
+    wrong_walk(monkeypatch, "device")
+    assert bigram_tv(300, spec=chain)[1] > 0.25
 
 
 @pytest.mark.parametrize("kind", ["device", "host"])
