@@ -96,7 +96,7 @@ def generate_batch(model: Transformer, prompts: list[list[int]], max_new: int, e
     slots = torch.arange(model.max_len, device=dev)  # the cache may be longer than L + max_new
     eos = torch.tensor(sorted(eos_ids) or [-1], device=dev)
 
-    def step(tokens, pos, pad, u):  # (B, T) at slots pos, uniforms (B, V) or (0,) -> (B,) the next token of every row
+    def step(tokens, pos, pad, u):  # (B, T) at slots pos, uniforms (B, V) (empty: greedy) -> (B,) the next token of every row
         # a padding query sees only itself (no row is fully masked); real queries never see padding
         mask = (slots[None, None, :] <= pos[None, :, None]) & ((slots[None, None, :] >= pad[:, None, None])
                                                                 | (slots[None, None, :] == pos[None, :, None]))
