@@ -20,8 +20,8 @@ the host-driven tree loop (tree_loop) too with --host-loop. Variants:
 
     python benchmarks/tree_cycle.py --variants compiled,triton_torch_commit,triton,triton_unsplit --out $OUT/tree-cycle.json
 With --temperatures 0,1 the same shapes are timed at T=1 too (plain sampling and each tree shape's sampled cycle:
-draft_sampled then verify_sampled, or verify_top by TreeSpec.draws_at), and with --profile every captured step
-(plain, tree drafts and verifies, greedy and sampled) gets h200_run.kernel_profile's kernel count, device ms and
+draft_sampled then verify_sampled, or verify_top by TreeSpec.draws_at), and with --profile the one-token target
+step and every captured tree step (drafts and verifies, greedy and sampled) get h200_run.kernel_profile's kernel count, device ms and
 top kernels: where a T=1 cycle's verify spends what a greedy one does not, e.g.
     python benchmarks/tree_cycle.py --variants triton_default --specs 1x2x2,4x5x15 --temperatures 0,1 --profile
 The last stdout line is one JSON document (also written to --out).
@@ -54,19 +54,23 @@ def measure(model, drafter, specs: list[TreeSpec], chain_k: int, max_new: int, r
     graphs = Graphs(True)
     x = torch.randint(0, 1000, (1, 128), device="cuda")
     res = step_times(model, torch.tensor([300], device="cuda"), rows, graphs)
-    runs = {"plain": lambda: decode_plain(model, x, max_new, (), graphs),
-            f"chain{chain_k}_host": lambda: decode_chain(model, drafter, x, max_new, chain_k, (), graphs)}
+    # name -> (run, the plain run its cycles compare with)
+    runs = {"plain": (lambda: decode_plain(model, x, max_new, (), graphs), "plain"),
+            f"chain{chain_k}_host": (lambda: decode_chain(model, drafter, x, max_new, chain_k, (), graphs), "plain")}
     for spec in specs:
-        runs[f"tree{spec_name(spec)}_device"] = lambda spec=spec: decode_tree(model, drafter, x, max_new, spec, (), graphs)
+        runs[f"tree{spec_name(spec)}_device"] = (lambda spec=spec: decode_tree(model, drafter, x, max_new, spec, (), graphs),
+                                                 "plain")
         if host_loop:
-            runs[f"tree{spec_name(spec)}_host"] = lambda spec=spec: tree_loop(model, drafter, x, max_new, spec, (), graphs)
-    gen = torch.Generator("cuda").manual_seed(0)
-    for temp in (t for t in temperatures if t > 0):  # T=1 cycles against plain sampling (top-p 1)
-        runs[f"plain_t{temp:g}"] = lambda temp=temp: decode_plain(model, x, max_new, (), graphs, temp, generator=gen)
+            runs[f"tree{spec_name(spec)}_host"] = (lambda spec=spec: tree_loop(model, drafter, x, max_new, spec, (), graphs),
+                                                   "plain")
+    rng = torch.Generator("cuda").manual_seed(0)
+    for temp in (t for t in temperatures if t > 0):  # sampled cycles against plain sampling (top-p 1)
+        base = f"plain_t{temp:g}"
+        runs[base] = (lambda temp=temp: decode_plain(model, x, max_new, (), graphs, temp, generator=rng), base)
         for spec in specs:
-            runs[f"tree{spec_name(spec)}_device_t{temp:g}"] = lambda spec=spec, temp=temp: decode_tree(
-                model, drafter, x, max_new, spec, (), graphs, temp, generator=gen)
-    for name, run in runs.items():
+            runs[f"tree{spec_name(spec)}_device_t{temp:g}"] = (lambda spec=spec, temp=temp: decode_tree(
+                model, drafter, x, max_new, spec, (), graphs, temp, generator=rng), base)
+    for name, (run, base) in runs.items():
         t = time.perf_counter()
         run()  # compilation and capture
         res[name + "_warmup_s"] = round(time.perf_counter() - t, 1)
@@ -77,8 +81,7 @@ def measure(model, drafter, specs: list[TreeSpec], chain_k: int, max_new: int, r
             r.update(cycles=cycles, tau=round(sum(gen.accept_lengths) / cycles, 3),
                      cycle_ms=round(1e3 * (gen.seconds - gen.prefill_seconds) / cycles, 4),
                      draft_ms=round(1e3 * gen.draft_seconds / cycles, 4), verify_ms=round(1e3 * gen.verify_seconds / cycles, 4))
-            plain = "plain" + name[name.rfind("_t"):] if name.endswith(tuple(f"_t{t:g}" for t in temperatures if t > 0)) else "plain"
-            r["cycle_over_step"] = round(r["cycle_ms"] / res[plain]["ms_per_token"], 3)
+            r["cycle_over_step"] = round(r["cycle_ms"] / res[base]["ms_per_token"], 3)
         res[name] = r
     if profile:  # the one-token target step and every captured tree step, replayed once more under the profiler
         # (with its last inputs: the same slots; decode_plain's self-advancing loop is left out, a replay would
@@ -110,7 +113,7 @@ def main():
     ap.add_argument("--rows", default="1,8,16,17,32,49,64", help="target pass sizes to time")
     ap.add_argument("--host-loop", action="store_true", help="also time the host-driven loop (tree_loop)")
     ap.add_argument("--temperatures", default="0", help="also time plain sampling and the sampled cycles at each T > 0")
-    ap.add_argument("--profile", action="store_true", help="kernel profile of every captured plain and tree step")
+    ap.add_argument("--profile", action="store_true", help="kernel profile of the one-token target step and every captured tree step")
     ap.add_argument("--out", help="also write the JSON here")
     a = ap.parse_args()
     variants = a.variants.split(",")

@@ -1,4 +1,5 @@
 import dataclasses
+import warnings
 
 import pytest
 import torch
@@ -14,6 +15,18 @@ from helpers import OracleDrafter, tiny_drafter, tiny_native
 @pytest.fixture(scope="module")
 def target():
     return tiny_native()
+
+
+def cuda_syncs(fn):
+    """fn() under CUDA's sync debug mode -> (its result, how many host syncs it made)."""
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = fn()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    return out, len([w for w in caught if "synchroniz" in str(w.message)])
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
@@ -538,8 +551,6 @@ def test_graphed_speculation_on_cuda_equals_plain_and_syncs_once_per_cycle(mode)
     any sync or host copy inside them; the chain's acceptance and drafter catch-up run inside its verify
     graph, verify_chain), the output equals plain greedy decoding in fp32, and once captured a cycle
     makes one synchronizing call, the host's read of its tokens (sync debug mode counts them)."""
-    import warnings
-
     from draftsmith.cudagraph import Graphs
 
     target = tiny_native().cuda()
@@ -556,16 +567,9 @@ def test_graphed_speculation_on_cuda_equals_plain_and_syncs_once_per_cycle(mode)
         graphs = Graphs(True)
         for case, depth, decode in cases:
             assert decode(drafter, graphs).tokens == plain.tokens, (name, case)
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                with warnings.catch_warnings(record=True) as caught:
-                    warnings.simplefilter("always")
-                    out = decode(drafter, graphs)
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
-            syncs = [w for w in caught if "synchroniz" in str(w.message)]
+            out, syncs = cuda_syncs(lambda: decode(drafter, graphs))
             assert out.tokens == plain.tokens
-            assert len(syncs) <= len(out.accept_lengths) + 3, (name, case, len(syncs), len(out.accept_lengths))  # + prefill's
+            assert syncs <= len(out.accept_lengths) + 3, (name, case, syncs, len(out.accept_lengths))  # + prefill's
             assert out.draft_seconds > 0 and out.verify_seconds > 0
             if name == "oracle":  # right at 60% of positions: some cycle gets past the first draft
                 assert max(out.accept_lengths) > min(2, depth)
@@ -697,19 +701,12 @@ def test_batched_sampling_matches_the_targets_own_distribution(monkeypatch, devi
         monkeypatch.setattr(decode, "gumbel_sample", lambda p, u: (p * u).argmax(-1))  # argmax(log p + log u)
         assert min(total_variation(a, b) for a, b in zip(batch_joint(target, prompts, 0.7, 0.8, 300), exact)) > 0.25
         return
-    import warnings
 
     def syncs(max_new):  # host syncs of a sampled batch of 4 rows that never stops early
         gen = torch.Generator(device).manual_seed(0)
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                out = generate_batch(target, [prompts[0][0].tolist()] * 4, max_new, (), 0.8, 0.9, gen)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
+        out, n = cuda_syncs(lambda: generate_batch(target, [prompts[0][0].tolist()] * 4, max_new, (), 0.8, 0.9, gen))
         assert [len(a) for a in out] == [max_new] * 4
-        return len([w for w in caught if "synchroniz" in str(w.message)])
+        return n
 
     # captured steps: the host looks once per CHECK_EVERY steps (it used to after every sampled step)
     assert syncs(4 * decode.CHECK_EVERY) - syncs(decode.CHECK_EVERY) <= 6
@@ -1106,8 +1103,6 @@ def test_graphed_sampling_on_cuda_keeps_the_distribution():
     fails on a sync or a random draw inside them). Plain sampling keeps the target's joint distribution
     and syncs once per further CHECK_EVERY tokens; the sampled tree gives eager's tokens for the same
     seed (its randomness is drawn outside the graphs, which compute what eager kernels do)."""
-    import warnings
-
     from draftsmith.decode import CHECK_EVERY
 
     small = tiny_native(vocab=8).cuda()
@@ -1119,15 +1114,10 @@ def test_graphed_sampling_on_cuda_keeps_the_distribution():
     gen = torch.Generator("cuda").manual_seed(0)
 
     def syncs(max_new):
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                out = decode_plain(target, prompt, max_new, graphs=graphs, temperature=0.8, top_p=0.9, generator=gen)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
+        out, n = cuda_syncs(lambda: decode_plain(target, prompt, max_new, graphs=graphs, temperature=0.8, top_p=0.9,
+                                                 generator=gen))
         assert len(out.tokens) == max_new
-        return len([w for w in caught if "synchroniz" in str(w.message)])
+        return n
 
     decode_plain(target, prompt, 4 * CHECK_EVERY + 1, graphs=graphs, temperature=0.8, top_p=0.9, generator=gen)  # capture
     assert syncs(4 * CHECK_EVERY + 1) - syncs(CHECK_EVERY + 1) <= 3  # 4 blocks of steps against 1
