@@ -7,7 +7,7 @@
 # calls, and what each call copies comes back even if the machine is lost later.
 #
 #   bash benchmarks/device_bg.sh start python3 benchmarks/h200_run.py both ... --out /tmp/pipe/out
-#   bash benchmarks/device_bg.sh wait 540 /tmp/pipe/out/config.json   # until the file exists, the job ends, or 540 s
+#   bash benchmarks/device_bg.sh wait 540 /tmp/pipe/out/config.json   # until the file exists, the job ends, or 540 s (+ the log)
 #   bash benchmarks/device_bg.sh fetch train.json answers.jsonl.gz    # files of /tmp/pipe/out to $OUT (+ the log)
 set -uo pipefail
 PIPE=/tmp/pipe
@@ -29,6 +29,8 @@ case "$cmd" in
       sleep 5
     done
     tail -c 6000 "$PIPE/log"
+    # The log so far comes back with every wait: a machine taken back later still leaves its timings.
+    [ -n "${OUT:-}" ] && gzip -c "$PIPE/log" >"$OUT/job.log.gz"
     ;;
   fetch)
     for name in "$@"; do
