@@ -83,6 +83,7 @@ def measure(model, drafter, specs: list[TreeSpec], chain_k: int, max_new: int, r
                      draft_ms=round(1e3 * gen.draft_seconds / cycles, 4), verify_ms=round(1e3 * gen.verify_seconds / cycles, 4))
             r["cycle_over_step"] = round(r["cycle_ms"] / res[base]["ms_per_token"], 3)
         res[name] = r
+        print(" ", name, json.dumps(r), flush=True)  # as it comes: a run cut short still leaves its figures in the log
     if profile:  # the one-token target step and every captured tree step, replayed once more under the profiler
         # (with its last inputs: the same slots; decode_plain's self-advancing loop is left out, a replay would
         # step past its cache)
