@@ -76,7 +76,7 @@ def gumbel_sample(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def generate_batch(model: Transformer, prompts: list[list[int]], max_new: int, eos_ids=(), temperature: float = 0.0,
-                   top_p: float = 1.0, generator=None) -> list[list[int]]:
+                   top_p: float = 1.0, generator=None, slot_window: int | None = None) -> list[list[int]]:
     """Answer several prompts at once: left-padded into one static cache, each row with its own
     rotary positions and a mask that hides its padding. On the CPU finished rows leave the batch at
     once. On CUDA the decode step is a CUDA graph for the batch's size; tokens stay on the device,
@@ -84,7 +84,9 @@ def generate_batch(model: Transformer, prompts: list[list[int]], max_new: int, e
     steps, compacting the batch once at most half of it is still live. Sampling (temperature > 0)
     draws each step's token with gumbel_sample from uniforms the host draws from `generator` into
     the step's input (a captured graph cannot draw from a user generator), so a sampled batch runs
-    the same captured steps as a greedy one."""
+    the same captured steps as a greedy one. Each step attends over the cache's first slots only, up
+    to the next multiple of `slot_window` (default SLOT_WINDOW; 0: every slot) past the one it writes,
+    a graph per window: early steps of a batch read less of its cache than late ones."""
     dev = model.embed_tokens.weight.device
     graphed = dev.type == "cuda"
     graphs = Graphs(graphed)
@@ -96,13 +98,24 @@ def generate_batch(model: Transformer, prompts: list[list[int]], max_new: int, e
     slots = torch.arange(model.max_len, device=dev)  # the cache may be longer than L + max_new
     eos = torch.tensor(sorted(eos_ids) or [-1], device=dev)
 
-    def step(tokens, pos, pad, u):  # (B, T) at slots pos, uniforms (B, V) (empty: greedy) -> (B,) the next token of every row
-        # a padding query sees only itself (no row is fully masked); real queries never see padding
-        mask = (slots[None, None, :] <= pos[None, :, None]) & ((slots[None, None, :] >= pad[:, None, None])
-                                                                | (slots[None, None, :] == pos[None, :, None]))
-        rope = (pos[None, :] - pad[:, None]).clamp(min=0)  # (B, T)
-        logits = model.logits(model(tokens, pos, mask[:, None], rope).hidden[:, -1])
-        return gumbel_sample(probs(logits, temperature, top_p), u) if sampled else logits.argmax(-1)
+    window = SLOT_WINDOW if slot_window is None else slot_window
+    if window < 0:
+        raise ValueError(f"slot_window must be >= 0 (0: attend over every cache slot), got {slot_window}")
+
+    def width(last: int) -> int:  # the slots a step that writes up to slot `last` attends over
+        return model.max_len if window == 0 else min(model.max_len, (last // window + 1) * window)
+
+    def step(S):  # the step over the first S slots -> fn((B, T) tokens at slots pos, uniforms (B, V) (empty: greedy)) -> (B,)
+        s = slots[:S]
+
+        def fn(tokens, pos, pad, u):
+            # a padding query sees only itself (no row is fully masked); real queries never see padding
+            mask = (s[None, None, :] <= pos[None, :, None]) & ((s[None, None, :] >= pad[:, None, None])
+                                                               | (s[None, None, :] == pos[None, :, None]))
+            rope = (pos[None, :] - pad[:, None]).clamp(min=0)  # (B, T)
+            logits = model.logits(model(tokens, pos, mask[:, None], rope).hidden[:, -1])
+            return gumbel_sample(probs(logits, temperature, top_p), u) if sampled else logits.argmax(-1)
+        return fn
 
     noise = torch.empty(B if sampled else 0, model.args.vocab_size if sampled else 0, device=dev)
 
@@ -113,7 +126,7 @@ def generate_batch(model: Transformer, prompts: list[list[int]], max_new: int, e
     answers: list[list[int]] = [[] for _ in prompts]
     history = torch.zeros(B, max_new, dtype=torch.long, device=dev)  # tokens of the rows still in the batch
     done = torch.zeros(B, dtype=torch.bool, device=dev)
-    nxt = step(tokens, torch.arange(L, device=dev), pad, uniforms(B))  # prefill
+    nxt = step(width(L - 1))(tokens, torch.arange(L, device=dev), pad, uniforms(B))  # prefill
     pos = torch.tensor([L], device=dev)
     for i in range(max_new):
         history[:, i] = nxt
@@ -133,12 +146,16 @@ def generate_batch(model: Transformer, prompts: list[list[int]], max_new: int, e
                 rows, pad, history, done, nxt = [rows[j] for j in keep], pad[index], history[index], done[index], nxt[index]
                 model.keep_rows(index)
                 graphs.clear()  # its graphs read the caches keep_rows just replaced
-        nxt = graphs(("gen", len(rows)), step, nxt[:, None], pos, pad, uniforms(len(rows)))
+        S = width(L + i)  # this step writes slot L + i
+        nxt = graphs(("gen", len(rows), S), step(S), nxt[:, None], pos, pad, uniforms(len(rows)))
         pos += 1
     return answers
 
 
 CHECK_EVERY = 16  # decode steps between host checks for finished rows (CUDA)
+# generate_batch's attention windows: a step reads the cache up to the next multiple of this past its slot,
+# not all L + max_new slots (a 1,024-row batch's cache is ~24 GB at SmolLM2's shape and 1,024 slots).
+SLOT_WINDOW = 128
 
 
 def cut_at_eos(tokens: list[int], eos_ids) -> list[int]:

@@ -230,11 +230,14 @@ COMPILED_MAX_TOKENS = 64  # query lengths (decode, verify, tree) that run optimi
 
 
 def attention(q, k, v, mask, scale=None, fused: bool = False):
-    """Grouped-query attention. q: (B, h, T, D); k, v: (B, kv, S, D); mask: bool (B|1, 1, T, S).
+    """Grouped-query attention. q: (B, h, T, D); k, v: (B, kv, S, D); mask: bool (B|1, 1, T, S), or
+    (..., S') with S' < S to attend over the first S' slots only (decode.generate_batch's windows).
     fused: SDPA for short queries too (Transformer.optimize(attention="sdpa"): one attention kernel a
     layer where the default is two matmuls and a softmax; an engine variant to measure)."""
     B, h, T, D = q.shape
     kv = k.shape[1]
+    if mask is not None and mask.shape[-1] < k.shape[2]:  # a mask over the first S slots: the rest are not read
+        k, v = k[:, :, : mask.shape[-1]], v[:, :, : mask.shape[-1]]
     if fused or T > COMPILED_MAX_TOKENS:  # prefill: SDPA (enable_gqa reads each kv head for its group in place)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=h != kv)
     # decode, chain and tree verification: a query group per kv head, two small matmuls against the

@@ -668,6 +668,33 @@ def test_sampled_plain_matches_the_targets_own_distribution(one_thread, monkeypa
         assert total_variation(sampled_joint(target, prompt, temp, top_p, 300), exact) > 0.25
 
 
+def test_batched_greedy_reads_the_cache_in_windows_and_equals_one_at_a_time(target, monkeypatch):
+    """generate_batch attends over the cache's first slots only, up to the next multiple of slot_window
+    past the slot a step writes (the prefill over the prompt's): with windows of 4 slots, three left-padded
+    prompts of different lengths get the same tokens as one-at-a-time greedy decoding and as the whole cache,
+    and the steps did read different, shorter windows."""
+    import draftsmith.target as tgt
+
+    widths = []
+    full = tgt.attention
+
+    def seen(q, k, v, mask, *a, **kw):
+        widths.append((mask.shape[-1], k.shape[2]))
+        return full(q, k, v, mask, *a, **kw)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 320, (T,), generator=g).tolist() for T in (3, 9, 14)]
+    plain = [decode_plain(target, torch.tensor([p]), 25).tokens for p in prompts]
+    monkeypatch.setattr(tgt, "attention", seen)
+    assert generate_batch(target, prompts, 25, slot_window=4) == plain
+    windows = {w for w, _ in widths}
+    assert {w for w, _ in widths} >= {16, 20, 24, 28, 32, 36} and max(windows) == 39 == widths[0][1]  # 14 + 25 slots
+    widths.clear()
+    assert generate_batch(target, prompts, 25, slot_window=0) == plain
+    assert {w for w, _ in widths} == {39}
+    with pytest.raises(ValueError, match="slot_window"):
+        generate_batch(target, prompts, 25, slot_window=-1)
+
+
 def batch_joint(target, prompts: list[torch.Tensor], temp: float, top_p: float, n: int) -> torch.Tensor:
     """(len(prompts), V, V) the empirical joint of the 2nd and 3rd tokens generate_batch samples after each
     prompt: n rows of every prompt in one left-padded batch."""
