@@ -3,15 +3,17 @@
 prompts of random tokens. A random EOS set of --eos-tokens ids ends rows at different steps, as real
 answers end (sampled rows: about eos_tokens / vocab a step; greedy rows of random weights seldom end).
 
-    python benchmarks/gen_batch.py --max-new 512 --slot-windows 128,0 --out $OUT/gen-batch.json
+    python benchmarks/gen_batch.py --max-new 512 --slot-windows 128,0 --compact-at 0.5,0.75 --out $OUT/gen-batch.json
 
-Prints one line a (temperature, attention window) and, last, one JSON document (also written to --out):
-tok/s, rows, tokens, mean answer length, seconds, the first batch (graph capture) left out of the
-timing. --slot-windows: generate_batch's slot_window values to compare (0: every step reads the whole
-cache, as before 2026-12-07).
+Prints one line a (temperature, attention window, compaction share) and, last, one JSON document
+(also written to --out as it grows): tok/s, rows, tokens, mean answer length, seconds, the first batch
+(graph capture) left out of the timing. --slot-windows: generate_batch's slot_window values to compare
+(0: every step reads the whole cache, as before 2026-12-07); --compact-at: its compact_at values (the
+live share of a batch at which finished rows are dropped; 0.5 before 2026-12-07).
 """
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -37,6 +39,7 @@ def main():
     ap.add_argument("--eos-tokens", type=int, default=500)
     ap.add_argument("--temperatures", default="0.8,0")
     ap.add_argument("--slot-windows", default="128", help="generate_batch slot_window values (0: the whole cache)")
+    ap.add_argument("--compact-at", default="0.5", help="generate_batch compact_at values")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -50,25 +53,26 @@ def main():
     res = {"command": "python " + " ".join(sys.argv), "commit": git_commit(), "device": device_name("cuda"),
            "shape": "SmolLM2-135M (random weights, bf16)", "batch": a.batch, "prompts": a.prompts,
            "max_new": a.max_new, "eos_tokens": a.eos_tokens}
-    for temp in (float(t) for t in a.temperatures.split(",")):
-        for w in (int(w) for w in a.slot_windows.split(",")):
-            def run(batch):
-                return generate_batch(model, batch, a.max_new, eos, temp, 0.95, gen, slot_window=w)
-            gen = torch.Generator("cuda").manual_seed(0)
-            run(prompts[: a.batch])  # warm-up: captures, allocator
-            torch.cuda.synchronize()
-            t0, tokens = time.perf_counter(), 0
-            for i in range(a.batch, len(prompts), a.batch):
-                tokens += sum(map(len, run(prompts[i : i + a.batch])))
-            torch.cuda.synchronize()
-            s = time.perf_counter() - t0
-            row = {"tok_s": round(tokens / s, 1), "tokens": tokens, "mean_answer": round(tokens / a.prompts, 1),
-                   "seconds": round(s, 2)}
-            res[f"t{temp:g}_window{w}"] = row
-            print(f"temperature {temp:g}, slot window {w}: {row}", flush=True)
-            if a.out:  # as it comes: a call cut short keeps what it measured
-                a.out.parent.mkdir(parents=True, exist_ok=True)
-                a.out.write_text(json.dumps(res) + "\n")
+    grid = itertools.product((float(t) for t in a.temperatures.split(",")), (int(w) for w in a.slot_windows.split(",")),
+                             [float(c) for c in a.compact_at.split(",")])
+    for temp, w, c in grid:
+        def run(batch):
+            return generate_batch(model, batch, a.max_new, eos, temp, 0.95, gen, slot_window=w, compact_at=c)
+        gen = torch.Generator("cuda").manual_seed(0)
+        run(prompts[: a.batch])  # warm-up: captures, allocator
+        torch.cuda.synchronize()
+        t0, tokens = time.perf_counter(), 0
+        for i in range(a.batch, len(prompts), a.batch):
+            tokens += sum(map(len, run(prompts[i : i + a.batch])))
+        torch.cuda.synchronize()
+        s = time.perf_counter() - t0
+        row = {"tok_s": round(tokens / s, 1), "tokens": tokens, "mean_answer": round(tokens / a.prompts, 1),
+               "seconds": round(s, 2)}
+        res[f"t{temp:g}_window{w}_compact{c:g}"] = row
+        print(f"temperature {temp:g}, slot window {w}, compact at {c:g}: {row}", flush=True)
+        if a.out:  # as it comes: a call cut short keeps what it measured
+            a.out.parent.mkdir(parents=True, exist_ok=True)
+            a.out.write_text(json.dumps(res) + "\n")
     print(json.dumps(res))
 
 

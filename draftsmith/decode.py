@@ -76,17 +76,19 @@ def gumbel_sample(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def generate_batch(model: Transformer, prompts: list[list[int]], max_new: int, eos_ids=(), temperature: float = 0.0,
-                   top_p: float = 1.0, generator=None, slot_window: int | None = None) -> list[list[int]]:
+                   top_p: float = 1.0, generator=None, slot_window: int | None = None,
+                   compact_at: float | None = None) -> list[list[int]]:
     """Answer several prompts at once: left-padded into one static cache, each row with its own
     rotary positions and a mask that hides its padding. On the CPU finished rows leave the batch at
     once. On CUDA the decode step is a CUDA graph for the batch's size; tokens stay on the device,
     finished rows run on (their tokens after EOS are cut) and the host looks every `CHECK_EVERY`
-    steps, compacting the batch once at most half of it is still live. Sampling (temperature > 0)
-    draws each step's token with gumbel_sample from uniforms the host draws from `generator` into
-    the step's input (a captured graph cannot draw from a user generator), so a sampled batch runs
-    the same captured steps as a greedy one. Each step attends over the cache's first slots only, up
-    to the next multiple of `slot_window` (default SLOT_WINDOW; 0: every slot) past the one it writes,
-    a graph per window: early steps of a batch read less of its cache than late ones."""
+    steps, compacting the batch once at most `compact_at` of it (default COMPACT_AT) is still live.
+    Sampling (temperature > 0) draws each step's token with gumbel_sample from uniforms the host
+    draws from `generator` into the step's input (a captured graph cannot draw from a user
+    generator), so a sampled batch runs the same captured steps as a greedy one. Each step attends
+    over the cache's first slots only, up to the next multiple of `slot_window` (default SLOT_WINDOW;
+    0: every slot) past the one it writes, a graph per window: early steps of a batch read less of
+    its cache than late ones."""
     dev = model.embed_tokens.weight.device
     graphed = dev.type == "cuda"
     graphs = Graphs(graphed)
@@ -101,6 +103,9 @@ def generate_batch(model: Transformer, prompts: list[list[int]], max_new: int, e
     window = SLOT_WINDOW if slot_window is None else slot_window
     if window < 0:
         raise ValueError(f"slot_window must be >= 0 (0: attend over every cache slot), got {slot_window}")
+    compact = COMPACT_AT if compact_at is None else compact_at
+    if not 0 < compact < 1:
+        raise ValueError(f"compact_at must be in (0, 1): the live share of a batch at which it is compacted, got {compact_at}")
 
     def width(last: int) -> int:  # the slots a step that writes up to slot `last` attends over
         return model.max_len if window == 0 else min(model.max_len, (last // window + 1) * window)
@@ -134,7 +139,7 @@ def generate_batch(model: Transformer, prompts: list[list[int]], max_new: int, e
         if i == max_new - 1 or (i + 1) % (CHECK_EVERY if graphed else 1) == 0:
             finished = done.tolist()
             live = len(rows) - sum(finished)
-            if i == max_new - 1 or live <= (len(rows) // 2 if graphed else len(rows) - 1):
+            if i == max_new - 1 or live <= (int(len(rows) * compact) if graphed else len(rows) - 1):
                 last = i == max_new - 1
                 keep = [j for j, f in enumerate(finished) if not f and not last]
                 leave = [j for j, f in enumerate(finished) if f or last]
@@ -153,6 +158,7 @@ def generate_batch(model: Transformer, prompts: list[list[int]], max_new: int, e
 
 
 CHECK_EVERY = 16  # decode steps between host checks for finished rows (CUDA)
+COMPACT_AT = 0.5  # live share of a batch at which generate_batch compacts it (CUDA: a cache copy and new graphs)
 # generate_batch's attention windows: a step reads the cache up to the next multiple of this past its slot,
 # not all L + max_new slots (a 1,024-row batch's cache is ~24 GB at SmolLM2's shape and 1,024 slots).
 SLOT_WINDOW = 128

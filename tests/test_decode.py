@@ -693,6 +693,9 @@ def test_batched_greedy_reads_the_cache_in_windows_and_equals_one_at_a_time(targ
     assert {w for w, _ in widths} == {39}
     with pytest.raises(ValueError, match="slot_window"):
         generate_batch(target, prompts, 25, slot_window=-1)
+    for bad in (0, 1, 1.5):  # the live share at which a CUDA batch is compacted
+        with pytest.raises(ValueError, match="compact_at"):
+            generate_batch(target, prompts, 25, compact_at=bad)
 
 
 def batch_joint(target, prompts: list[torch.Tensor], temp: float, top_p: float, n: int) -> torch.Tensor:
