@@ -3,13 +3,15 @@
 prompts of random tokens. A random EOS set of --eos-tokens ids ends rows at different steps, as real
 answers end (sampled rows: about eos_tokens / vocab a step; greedy rows of random weights seldom end).
 
-    python benchmarks/gen_batch.py --max-new 512 --slot-windows 128,0 --compact-at 0.5,0.75 --out $OUT/gen-batch.json
+    python benchmarks/gen_batch.py --max-new 512 --slot-windows 128,0 --compact-at 0.5,0.75 --attention matmul,sdpa \
+        --out $OUT/gen-batch.json
 
 Prints one line a (temperature, attention window, compaction share) and, last, one JSON document
 (also written to --out as it grows): tok/s, rows, tokens, mean answer length, seconds, the first batch
 (graph capture) left out of the timing. --slot-windows: generate_batch's slot_window values to compare
 (0: every step reads the whole cache, as before 2026-12-07); --compact-at: its compact_at values (the
-live share of a batch at which finished rows are dropped; 0.5 before 2026-12-07).
+live share of a batch at which finished rows are dropped; 0.5 before 2026-12-07); --attention: the
+decode steps' attention (the engine's two matmuls, or SDPA as for prefill).
 """
 
 import argparse
@@ -40,6 +42,8 @@ def main():
     ap.add_argument("--temperatures", default="0.8,0")
     ap.add_argument("--slot-windows", default="128", help="generate_batch slot_window values (0: the whole cache)")
     ap.add_argument("--compact-at", default="0.5", help="generate_batch compact_at values")
+    ap.add_argument("--attention", default="matmul", help="matmul (the engine's short-query path) and/or sdpa "
+                    "(F.scaled_dot_product_attention for the decode steps too, Transformer.optimize(attention='sdpa'))")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -53,9 +57,13 @@ def main():
     res = {"command": "python " + " ".join(sys.argv), "commit": git_commit(), "device": device_name("cuda"),
            "shape": "SmolLM2-135M (random weights, bf16)", "batch": a.batch, "prompts": a.prompts,
            "max_new": a.max_new, "eos_tokens": a.eos_tokens}
-    grid = itertools.product((float(t) for t in a.temperatures.split(",")), (int(w) for w in a.slot_windows.split(",")),
-                             [float(c) for c in a.compact_at.split(",")])
-    for temp, w, c in grid:
+    grid = itertools.product(a.attention.split(","), (float(t) for t in a.temperatures.split(",")),
+                             (int(w) for w in a.slot_windows.split(",")), [float(c) for c in a.compact_at.split(",")])
+    for attn, temp, w, c in grid:
+        if attn not in ("matmul", "sdpa"):
+            sys.exit(f"--attention takes matmul and/or sdpa, not {attn}")
+        for layer in model.layers:
+            layer.self_attn.fused_short = attn == "sdpa"
         def run(batch):
             return generate_batch(model, batch, a.max_new, eos, temp, 0.95, gen, slot_window=w, compact_at=c)
         gen = torch.Generator("cuda").manual_seed(0)
@@ -68,8 +76,9 @@ def main():
         s = time.perf_counter() - t0
         row = {"tok_s": round(tokens / s, 1), "tokens": tokens, "mean_answer": round(tokens / a.prompts, 1),
                "seconds": round(s, 2)}
-        res[f"t{temp:g}_window{w}_compact{c:g}"] = row
-        print(f"temperature {temp:g}, slot window {w}, compact at {c:g}: {row}", flush=True)
+        name = f"t{temp:g}_window{w}_compact{c:g}" + ("_sdpa" if attn == "sdpa" else "")
+        res[name] = row
+        print(f"{name}: {row}", flush=True)
         if a.out:  # as it comes: a call cut short keeps what it measured
             a.out.parent.mkdir(parents=True, exist_ok=True)
             a.out.write_text(json.dumps(res) + "\n")
