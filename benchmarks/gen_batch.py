@@ -64,19 +64,23 @@ def main():
             sys.exit(f"--attention takes matmul and/or sdpa, not {attn}")
         for layer in model.layers:
             layer.self_attn.fused_short = attn == "sdpa"
+        name = f"t{temp:g}_window{w}_compact{c:g}" + ("_sdpa" if attn == "sdpa" else "")
+        gen = torch.Generator("cuda").manual_seed(0)
+
         def run(batch):
             return generate_batch(model, batch, a.max_new, eos, temp, 0.95, gen, slot_window=w, compact_at=c)
-        gen = torch.Generator("cuda").manual_seed(0)
-        run(prompts[: a.batch])  # warm-up: captures, allocator
-        torch.cuda.synchronize()
-        t0, tokens = time.perf_counter(), 0
-        for i in range(a.batch, len(prompts), a.batch):
-            tokens += sum(map(len, run(prompts[i : i + a.batch])))
-        torch.cuda.synchronize()
-        s = time.perf_counter() - t0
-        row = {"tok_s": round(tokens / s, 1), "tokens": tokens, "mean_answer": round(tokens / a.prompts, 1),
-               "seconds": round(s, 2)}
-        name = f"t{temp:g}_window{w}_compact{c:g}" + ("_sdpa" if attn == "sdpa" else "")
+        try:
+            run(prompts[: a.batch])  # warm-up: captures, allocator
+            torch.cuda.synchronize()
+            t0, tokens = time.perf_counter(), 0
+            for i in range(a.batch, len(prompts), a.batch):
+                tokens += sum(map(len, run(prompts[i : i + a.batch])))
+            torch.cuda.synchronize()
+            s = time.perf_counter() - t0
+            row = {"tok_s": round(tokens / s, 1), "tokens": tokens, "mean_answer": round(tokens / a.prompts, 1),
+                   "seconds": round(s, 2)}
+        except Exception as e:  # noqa: BLE001 - recorded; the next setting still runs
+            row = {"error": repr(e)[:500]}
         res[name] = row
         print(f"{name}: {row}", flush=True)
         if a.out:  # as it comes: a call cut short keeps what it measured
