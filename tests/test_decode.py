@@ -668,29 +668,38 @@ def test_sampled_plain_matches_the_targets_own_distribution(one_thread, monkeypa
         assert total_variation(sampled_joint(target, prompt, temp, top_p, 300), exact) > 0.25
 
 
-def test_batched_greedy_reads_the_cache_in_windows_and_equals_one_at_a_time(target, monkeypatch):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_batched_greedy_reads_the_cache_in_windows_and_equals_one_at_a_time(monkeypatch, device):
     """generate_batch attends over the cache's first slots only, up to the next multiple of slot_window
     past the slot a step writes (the prefill over the prompt's): with windows of 4 slots, three left-padded
     prompts of different lengths get the same tokens as one-at-a-time greedy decoding and as the whole cache,
-    and the steps did read different, shorter windows."""
+    and the steps did read different, shorter windows. An EOS that ends one row early leaves the others'
+    tokens as they were (on CUDA, where each window is a captured graph, the batch is then compacted)."""
     import draftsmith.target as tgt
+    from draftsmith.decode import cut_at_eos
 
+    target = tiny_native().to(device)
     widths = []
     full = tgt.attention
 
-    def seen(q, k, v, mask, *a, **kw):
+    def seen(q, k, v, mask, *a, **kw):  # on CUDA called while a window's graph is captured
         widths.append((mask.shape[-1], k.shape[2]))
         return full(q, k, v, mask, *a, **kw)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 320, (T,), generator=g).tolist() for T in (3, 9, 14)]
-    plain = [decode_plain(target, torch.tensor([p]), 25).tokens for p in prompts]
+    plain = [decode_plain(target, torch.tensor([p], device=device), 25).tokens for p in prompts]
     monkeypatch.setattr(tgt, "attention", seen)
     assert generate_batch(target, prompts, 25, slot_window=4) == plain
     windows = {w for w, _ in widths}
-    assert {w for w, _ in widths} >= {16, 20, 24, 28, 32, 36} and max(windows) == 39 == widths[0][1]  # 14 + 25 slots
+    assert windows >= {16, 20, 24, 28, 32, 36} and max(windows) == 39 == widths[0][1]  # 14 + 25 slots
     widths.clear()
     assert generate_batch(target, prompts, 25, slot_window=0) == plain
     assert {w for w, _ in widths} == {39}
+    eos = plain[0][8]  # ends the first row by its 9th token; compact_at 0.75: 2 of 3 live rows compact on CUDA
+    cut = [cut_at_eos(p, (eos,)) for p in plain]
+    assert len(cut[0]) <= 9 and any(len(c) == 25 for c in cut)
+    assert generate_batch(target, prompts, 25, (eos,), slot_window=4, compact_at=0.75) == cut
     with pytest.raises(ValueError, match="slot_window"):
         generate_batch(target, prompts, 25, slot_window=-1)
     for bad in (0, 1, 1.5):  # the live share at which a CUDA batch is compacted
