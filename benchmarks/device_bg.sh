@@ -30,7 +30,7 @@ case "$cmd" in
     done
     tail -c 6000 "$PIPE/log"
     # The log so far comes back with every wait: a machine taken back later still leaves its timings.
-    [ -n "${OUT:-}" ] && gzip -c "$PIPE/log" >"$OUT/job.log.gz"
+    if [ -n "${OUT:-}" ]; then gzip -c "$PIPE/log" >"$OUT/job.log.gz"; fi  # (no OUT: still exit 0)
     ;;
   fetch)
     for name in "$@"; do
