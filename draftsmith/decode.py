@@ -19,6 +19,7 @@ after `pending`.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -110,6 +111,7 @@ def generate_batch(model: Transformer, prompts: list[list[int]], max_new: int, e
     def width(last: int) -> int:  # the slots a step that writes up to slot `last` attends over
         return model.max_len if window == 0 else min(model.max_len, (last // window + 1) * window)
 
+    @functools.cache  # one step function a window, made once (the decode loop asks for it every step)
     def step(S):  # the step over the first S slots -> fn((B, T) tokens at slots pos, uniforms (B, V) (empty: greedy)) -> (B,)
         s = slots[:S]
 
