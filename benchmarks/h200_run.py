@@ -898,13 +898,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--eval-mtbench-sampled", action=argparse.BooleanOptionalAction, default=True,
                     help="train: and its sampled (T=1) MT-bench answers (heldout.eval_data_sampled: accept_length_t1 there"
                     " is the T=1 score; the greedy answers overstate sampled decoding, logs/t1-sim-vs-decode-cpu-4b36540.json)")
-    # the measured recipe (h200-recipe.md, run 9): greedy answers to every prompt, 2 sampled answers per chat-like prompt,
-    # 12,000 prompts the target writes itself (defaults since 2026-12-04; earlier commands ran with 0 and 0)
-    ap.add_argument("--extra-samples", type=int, default=2, help="train: also this many sampled answers per chat-like prompt")
+    # the measured recipe (h200-recipe.json finding_run18): greedy answers to every prompt, 12,000 prompts the target
+    # writes itself, one sampled answer to every chat-like and every self-written prompt (since run 18; runs 9-15: 2
+    # per chat-like prompt, --extra-sources without self_prompts; before 2026-12-04 no samples and no self prompts)
+    ap.add_argument("--extra-samples", type=int, default=1, help="train: also this many sampled answers per prompt of --extra-sources")
     ap.add_argument("--extra-temperature", type=float, default=0.8, help="for the samples made in this run")
     ap.add_argument("--extra-seed", type=int, default=1, help="sampling seed of this run's extra answers (vary it when adding"
                     " samples to carried ones)")
-    ap.add_argument("--extra-sources", default="sharegpt,ultrachat,self_instruct,alpaca", help="prompt file name prefixes;"
+    ap.add_argument("--extra-sources", default="sharegpt,ultrachat,self_instruct,alpaca,self_prompts", help="prompt file name prefixes;"
                     " self_prompts: the prompts the target wrote itself (--self-prompts) too")
     ap.add_argument("--self-prompts", type=int, default=12000, help="train: the target also writes this many prompts itself"
                     " (generate --self-prompts), answered greedily with the rest")
