@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import draftsmith.draft as D  # noqa: E402
+from draftsmith.target import compiled_flex_attention  # noqa: E402
 from helpers import tiny_drafter, tiny_native  # noqa: E402
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # noqa: E402
 
@@ -51,7 +52,7 @@ def variant(name):
         elif name == "static":
             fn = torch.compile(flex_attention, dynamic=False)
         else:
-            fn = D.compiled_flex_attention()
+            fn = compiled_flex_attention()
         with torch._dynamo.config.patch(recompile_limit=64), torch.autocast("cuda", enabled=False):
             return fn(q, k, v, block_mask=mask, enable_gqa=gqa)
 

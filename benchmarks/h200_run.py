@@ -198,7 +198,15 @@ def phase_train(a):
                draft_vocab_size=a.vocab, draft_intermediate_size=a.draft_intermediate, lr=a.lr, batch_tokens=a.batch_tokens,
                rows_per_pack=a.rows_per_pack,
                loss_chunk_tokens=a.loss_chunk, eval_fraction=0.02, save_every=200, attn_impl=a.attn_impl,  # --deadline saves on stopping; this bounds a kill
-               compile_loss=a.compile_loss)
+               compile_loss=a.compile_loss, target_attn="sdpa" if a.target_attn == "probe" else a.target_attn)
+    if a.target_attn == "probe":  # the target's attention over a pack by measurement: the faster step wins
+        if a.attn_impl == "probe":
+            raise SystemExit("probe one of --attn-impl and --target-attn at a time")
+        probed = {impl: probe_step_s({**cfg, "target_attn": impl}, f"target-{impl}") for impl in train.TARGET_ATTENTION}
+        cfg["target_attn"] = min(probed, key=probed.get)
+        res.update(target_attn_probe_step_s={k: round(v, 4) for k, v in probed.items()}, target_attn=cfg["target_attn"])
+        dump(out, "train.json", res)
+        print(json.dumps(res), flush=True)
     if a.attn_impl == "probe":  # decide the TTT attention by measurement: the faster step wins
         probes = {}
         for impl in ("eager", "flex", "split"):
@@ -933,6 +941,8 @@ def build_parser() -> argparse.ArgumentParser:
                     " shapes and caches have settled")
     ap.add_argument("--ttt-paths", default=",".join(TTT_PATHS), help="ttt, and bench with the 8B shape: which of TTT_PATHS"
                     " to time (train_8b alone gives train_mfu_8b)")
+    ap.add_argument("--target-attn", default="sdpa", choices=("sdpa", "flex", "probe"), help="train: the target's"
+                    " attention over a pack (TrainConfig.target_attn); probe: time both (60 steps each), train with the faster")
     ap.add_argument("--attn-impl", default="auto", help="train: TTT attention (auto | eager | flex | split | probe: time"
                     " each, train with the fastest)")
     ap.add_argument("--compile-loss", action=argparse.BooleanOptionalAction, default=None, help="train: compiled KL (default: on CUDA)")

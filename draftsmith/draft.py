@@ -12,15 +12,14 @@ sees at inference when it drafts the (j+1)-th token after row t.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask
 
-from draftsmith.target import MLP, Attention, KVCache, Linear, ModelArgs, RMSNorm, Rotary, causal_mask
+from draftsmith.target import MLP, Attention, KVCache, Linear, ModelArgs, RMSNorm, Rotary, causal_mask, run_flex
 
 
 @dataclass(frozen=True)
@@ -321,15 +320,6 @@ def ttt_attention_eager(q, ks, vs, allowed):
 TTT_ATTENTION = ("auto", "eager", "flex", "split")
 
 
-@functools.cache
-def compiled_flex_attention():
-    """flex_attention is fused (no (T, T) scores in memory) only when compiled. Compiled once, with
-    dynamic shapes: T changes with every pack and the key length (j + 1) T with every step, so static
-    shapes would compile anew for each (T, step). What remains specialised (step 0 where the key and
-    query lengths are equal, a batch of 1, training vs evaluation) compiles a handful of times."""
-    return torch.compile(flex_attention, dynamic=True)
-
-
 def ttt_attention_flex(q, ks, vs, segment_ids):
     """ttt_attention_eager through flex_attention, the keys of all steps side by side:
     [K0; K1; ...; Kj] (B, kv, (j + 1) T, D); the query at row t may read block 0 at rows <= t of
@@ -338,19 +328,6 @@ def ttt_attention_flex(q, ks, vs, segment_ids):
     k, v = torch.cat(ks, dim=2), torch.cat(vs, dim=2)
     mask = broadcast_block_mask(ttt_mask_mod(segment_ids, k.shape[2]), B, T, k.shape[2], q.device)
     return run_flex(q, k, v, mask)
-
-
-def run_flex(q, k, v, mask: BlockMask, return_lse: bool = False):
-    """flex_attention with grouped-query heads, compiled on CUDA. On the CPU it runs unfused (it
-    materialises the scores, and torch has no CPU backward for it): for tests."""
-    if not q.is_cuda:
-        return flex_attention(q, k, v, block_mask=mask, enable_gqa=True, return_lse=return_lse)
-    flex = compiled_flex_attention()
-    # recompile_limit: room for the specialisations above (the default, 8, is close), past which torch would
-    # silently run the unfused path; autocast off: q, k, v share one dtype already, and compiled flex
-    # backward has been reported to fail under autocast
-    with torch._dynamo.config.patch(recompile_limit=32), torch.autocast("cuda", enabled=False):
-        return flex(q, k, v, block_mask=mask, enable_gqa=True, return_lse=return_lse)
 
 
 def ttt_attention_split(q, ks, vs, mask: BlockMask):

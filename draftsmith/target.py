@@ -14,6 +14,7 @@ Targets are loaded from a Hugging Face folder, a GGUF file, or the embedded defa
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -25,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 EMBEDDED = {
     # name -> (package, file inside it)
@@ -229,11 +231,39 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 COMPILED_MAX_TOKENS = 64  # query lengths (decode, verify, tree) that run optimize()'s compiled code
 
 
+@functools.cache
+def compiled_flex_attention():
+    """flex_attention is fused (no (T, T) scores in memory) only when compiled; for the drafter's TTT
+    attention (draft.py) and the target's pass over packed rows (train.target_features). Compiled once, with
+    dynamic shapes: T changes with every pack and the key length (j + 1) T with every step, so static
+    shapes would compile anew for each (T, step). What remains specialised (step 0 where the key and
+    query lengths are equal, a batch of 1, training vs evaluation) compiles a handful of times."""
+    return torch.compile(flex_attention, dynamic=True)
+
+
+def run_flex(q, k, v, mask: BlockMask, return_lse: bool = False, scale=None):
+    """flex_attention with grouped-query heads, compiled on CUDA. On the CPU it runs unfused (it
+    materialises the scores, and torch has no CPU backward for it): for tests."""
+    if not q.is_cuda:
+        return flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=True, return_lse=return_lse)
+    flex = compiled_flex_attention()
+    # recompile_limit: room for the specialisations above (the default, 8, is close), past which torch would
+    # silently run the unfused path; autocast off: q, k, v share one dtype already, and compiled flex
+    # backward has been reported to fail under autocast
+    with torch._dynamo.config.patch(recompile_limit=32), torch.autocast("cuda", enabled=False):
+        return flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=True, return_lse=return_lse)
+
+
 def attention(q, k, v, mask, scale=None, fused: bool = False):
     """Grouped-query attention. q: (B, h, T, D); k, v: (B, kv, S, D); mask: bool (B|1, 1, T, S), or
-    (..., S') with S' < S to attend over the first S' slots only (decode.generate_batch's windows).
+    (..., S') with S' < S to attend over the first S' slots only (decode.generate_batch's windows), or a
+    flex BlockMask over the first slots (run_flex).
     fused: SDPA for short queries too (Transformer.optimize(attention="sdpa"): one attention kernel a
     layer where the default is two matmuls and a softmax; an engine variant to measure)."""
+    if isinstance(mask, BlockMask):  # packed training rows (train.target_features, target_attn "flex"): the
+        # tiles no query may see are skipped; its keys are the cache's first seq_lengths[1] slots
+        S = mask.seq_lengths[1]
+        return run_flex(q.to(v.dtype), k[:, :, :S].to(v.dtype), v[:, :, :S], mask, scale=scale)  # one dtype, as flex needs
     B, h, T, D = q.shape
     kv = k.shape[1]
     if mask is not None and mask.shape[-1] < k.shape[2]:  # a mask over the first S slots: the rest are not read

@@ -58,7 +58,7 @@ from torch.utils.checkpoint import checkpoint
 
 from draftsmith.common import Progress, dtype_of, write_config
 from draftsmith.data import encode_conversation, prompt_of
-from draftsmith.draft import TTT_ATTENTION, DraftConfig, Eagle3Drafter
+from draftsmith.draft import TTT_ATTENTION, DraftConfig, Eagle3Drafter, broadcast_block_mask, causal_segment_mask_mod
 from draftsmith.export import load_any, save_trained
 from draftsmith.extract import HiddenStates, read_conversations
 from draftsmith.parallel import (World, barrier, close, full_optimizer_state, full_state_dict, gather, init_world,
@@ -101,6 +101,8 @@ class TrainConfig:
     # step 0's keys, the later steps' own keys merged in); auto: split on CUDA (an H100: attention forward + backward
     # 25.7 ms against flex's 94.2 at SmolLM2's training shape, MFU 0.398 vs 0.336 at the 8B shape), eager elsewhere
     compile_loss: bool | None = None  # the per-chunk KL through torch.compile; None: on CUDA
+    target_attn: str = "sdpa"  # online: the target's attention over a pack, "sdpa" (a dense (T, T) same-sample causal
+    # mask) or "flex" (flex_attention with a block mask: the tiles no query of the sample sees are skipped; compiled on CUDA)
     parallel: str = "ddp"  # under torchrun: "ddp" or "fsdp" (FSDP2 fully_shard)
     eval_fraction: float = 0.05
     eval_data: str | None = None  # also evaluate on this (answers.jsonl online, extracted shards offline) each epoch,
@@ -135,6 +137,8 @@ class TrainConfig:
             raise ValueError("need rows_per_pack >= 1, loss_chunk_tokens >= 0 and target_cache_mb >= 0")
         if self.attn_impl not in TTT_ATTENTION:
             raise ValueError(f"attn_impl must be one of {', '.join(map(repr, TTT_ATTENTION))}, not {self.attn_impl!r}")
+        if self.target_attn not in TARGET_ATTENTION:
+            raise ValueError(f"target_attn must be one of {', '.join(map(repr, TARGET_ATTENTION))}, not {self.target_attn!r}")
         if self.attn_impl in ("flex", "split") and not self.device.startswith("cuda"):
             raise ValueError(f"attn_impl {self.attn_impl!r} needs CUDA (torch has no flex_attention backward on the "
                              f"{self.device}): use --attn-impl auto or eager there")
@@ -239,15 +243,23 @@ class Conversations:
         return self.samples[i]
 
 
+TARGET_ATTENTION = ("sdpa", "flex")
+
+
 @torch.no_grad()
-def target_features(model, batch: dict, aux_layers) -> dict:
-    """The target over a packed (B, T) batch, each sample attending only to itself: aux, final, argmax."""
+def target_features(model, batch: dict, aux_layers, attn: str = "sdpa") -> dict:
+    """The target over a packed (B, T) batch, each sample attending only to itself: aux, final, argmax.
+    attn: "sdpa", a dense same-sample causal mask; "flex", a block mask of it (TrainConfig.target_attn)."""
     ids, seg, pos = batch["input_ids"].long(), batch["segment_ids"], batch["position_ids"]
     B, T = ids.shape
     model.setup_caches(B, T)
-    mask = torch.zeros(B, T, model.max_len, dtype=torch.bool, device=ids.device)  # the cache may be longer than T
-    mask[..., :T] = (seg[:, :, None] == seg[:, None, :]) & torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()
-    out = model(ids, torch.arange(T, device=ids.device), mask[:, None], pos, capture=aux_layers)
+    if attn == "flex":  # over the cache's first T slots
+        mask = broadcast_block_mask(causal_segment_mask_mod(seg), B, T, T, ids.device)
+    else:
+        mask = torch.zeros(B, T, model.max_len, dtype=torch.bool, device=ids.device)  # the cache may be longer than T
+        mask[..., :T] = (seg[:, :, None] == seg[:, None, :]) & torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()
+        mask = mask[:, None]
+    out = model(ids, torch.arange(T, device=ids.device), mask, pos, capture=aux_layers)
     # the (tokens, V) logits a chunk at a time, whatever B is
     argmax = torch.cat([model.logits(h).argmax(-1) for h in out.hidden.flatten(0, 1).split(1024)]).view(B, T)
     return {"aux": out.aux, "final": out.hidden, "argmax": argmax}
@@ -650,7 +662,7 @@ def load_data(config: TrainConfig, target):
     if config.online:
         data = Conversations(config.data, target.tokenizer, config.max_length)
         aux = tuple(config.aux_layers or target.model.args.default_aux_layers())
-        return data, aux, lambda batch: {**batch, **target_features(target.model, batch, aux)}
+        return data, aux, lambda batch: {**batch, **target_features(target.model, batch, aux, config.target_attn)}
     data = HiddenStates(config.data)
     if data.manifest.get("hidden_size") != target.model.args.hidden_size:
         raise ValueError(f"{config.data} was extracted from a target of hidden size {data.manifest.get('hidden_size')}, "

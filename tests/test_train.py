@@ -333,6 +333,35 @@ def test_online_features_equal_extracted_ones(tiny_target_dir, tiny_hidden):
         assert (online["argmax"] == offline["argmax"].long())[real].float().mean() > 0.99
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the compiled flex kernel (the one that skips tiles) needs a CUDA device")])])
+def test_target_flex_attention_equals_the_dense_mask(tiny_target_dir, device):
+    """target_attn "flex" (a block mask that skips the tiles no query of a sample sees) gives the features of the
+    dense same-sample causal mask, over rows longer than one 128-token tile, with samples across tile edges and a
+    padded tail (segment -1). On the CPU flex runs unfused (the mask alone); on CUDA compiled, reading the tile tables."""
+    target = load_target(str(tiny_target_dir), device)
+    g = torch.Generator().manual_seed(0)
+    lengths = [[150, 100, 50], [7, 200, 60, -33]]  # a negative length: that many padding tokens
+    T = 300
+    seg, pos = torch.empty(2, T, dtype=torch.long), torch.empty(2, T, dtype=torch.long)
+    for b, row in enumerate(lengths):
+        at = 0
+        for i, n in enumerate(row):
+            seg[b, at:at + abs(n)] = i if n > 0 else -1
+            pos[b, at:at + abs(n)] = torch.arange(abs(n))
+            at += abs(n)
+    batch = {k: v.to(device) for k, v in {"input_ids": torch.randint(0, target.model.args.vocab_size, (2, T), generator=g),
+                                          "segment_ids": seg, "position_ids": pos}.items()}
+    dense = target_features(target.model, batch, (0, 1, 2), "sdpa")
+    flex = target_features(target.model, batch, (0, 1, 2), "flex")
+    tol = 1e-4 if device == "cpu" else 2e-3  # fp32 either way; on CUDA two different kernels' sums
+    for k in ("aux", "final"):
+        torch.testing.assert_close(flex[k], dense[k], atol=tol, rtol=tol)
+    assert (flex["argmax"] == dense["argmax"]).float().mean() >= (1.0 if device == "cpu" else 0.99)
+    with pytest.raises(ValueError, match="target_attn"):
+        TrainConfig(target="x", data="x", out="y", target_attn="flash")
+
+
 @pytest.mark.parametrize("rows_per_pack", [1, 2])
 def test_online_and_offline_training_agree(rows_per_pack, tiny_target_dir, tiny_answers, tiny_hidden, tmp_path):
     common = dict(target=str(tiny_target_dir), draft_vocab_size=128, ttt_depth=2, epochs=1, batch_tokens=256,
@@ -342,6 +371,18 @@ def test_online_and_offline_training_agree(rows_per_pack, tiny_target_dir, tiny_
     assert on.steps == off.steps
     for a, b in zip(on.eval["loss"], off.eval["loss"]):
         assert abs(a - b) < 0.02 * max(abs(b), 1.0)
+
+
+def test_online_training_with_the_target_on_flex_attention(tiny_target_dir, tiny_answers, tmp_path):
+    """TrainConfig.target_attn reaches the target's pass: "flex" trains the drafter "sdpa" does (one row of up to 512
+    tokens: several packed samples across a 128-token tile edge)."""
+    common = dict(target=str(tiny_target_dir), data=str(tiny_answers), online=True, draft_vocab_size=128, ttt_depth=2,
+                  epochs=1, batch_tokens=512, lr=1e-3, eval_fraction=0.25)
+    dense = run(TrainConfig(out=str(tmp_path / "sdpa"), **common))
+    flex = run(TrainConfig(out=str(tmp_path / "flex"), target_attn="flex", **common))
+    assert flex.steps == dense.steps
+    for a, b in zip(flex.eval["loss"], dense.eval["loss"]):
+        assert abs(a - b) < 1e-4 * max(abs(b), 1.0)
 
 
 def test_tensorboard_scalars(tiny_target_dir, tiny_hidden, tmp_path):
