@@ -293,9 +293,11 @@ def test_a_filtered_carried_answer_set_is_trained_as_it_is(tmp_path, monkeypatch
     assert generated == [["mt_bench.jsonl"]]
     with pytest.raises(SystemExit, match="--resume-generation cannot go with"):
         train_on("--source-fraction", "gsm8k=0.3", "--resume-generation")
-    train_on()  # no filter: generation resumes over the prompt files (self prompts, samples), as in runs 12 and 13
-    assert generated[:2] == [["gsm8k_train.jsonl", "sharegpt_v3_filtered_500.json"], ["sharegpt_v3_filtered_500.json"]]
-    train_on("--extra-sources", "sharegpt,self_prompts")  # the carried self-written prompts get sampled answers too
-    assert generated[1] == ["self_prompts.jsonl", "sharegpt_v3_filtered_500.json"]
+    train_on()  # no filter: generation resumes over the prompt files (self prompts, samples), as in runs 12 and 13;
+    # since run 18 the carried self-written prompts get sampled answers too (--extra-sources with self_prompts)
+    assert generated[:2] == [["gsm8k_train.jsonl", "sharegpt_v3_filtered_500.json"],
+                             ["self_prompts.jsonl", "sharegpt_v3_filtered_500.json"]]
+    train_on("--extra-sources", "sharegpt")  # the chat-like prompts alone (runs 9-15)
+    assert generated[1] == ["sharegpt_v3_filtered_500.json"]
     own = (run_dir / "gen" / generate.SELF_PROMPTS).read_text().splitlines()
     assert sorted(json.loads(line)["id"] for line in own) == sorted(str(i) for i in range(30))
