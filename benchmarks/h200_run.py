@@ -202,7 +202,12 @@ def phase_train(a):
     if a.target_attn == "probe":  # the target's attention over a pack by measurement: the faster step wins
         if a.attn_impl == "probe":
             raise SystemExit("probe one of --attn-impl and --target-attn at a time")
-        probed = {impl: probe_step_s({**cfg, "target_attn": impl}, f"target-{impl}") for impl in train.TARGET_ATTENTION}
+        probed = {}
+        for impl in train.TARGET_ATTENTION:
+            try:
+                probed[impl] = probe_step_s({**cfg, "target_attn": impl}, f"target-{impl}")
+            except Exception as e:  # noqa: BLE001 - a path that fails here is simply not chosen (sdpa, the default, is
+                res[f"target_attn_probe_{impl}_error"] = repr(e)[:500]  # what ran every pipeline so far)
         cfg["target_attn"] = min(probed, key=probed.get)
         res.update(target_attn_probe_step_s={k: round(v, 4) for k, v in probed.items()}, target_attn=cfg["target_attn"])
         dump(out, "train.json", res)

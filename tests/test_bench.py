@@ -268,7 +268,9 @@ def test_a_filtered_carried_answer_set_is_trained_as_it_is(tmp_path, monkeypatch
 
     def fake_train(cfg):
         trained.append({json.loads(line)["id"] for line in Path(cfg.data).read_text().splitlines()})
+        chosen.append(cfg.target_attn)
         raise Stop
+    chosen = []
 
     monkeypatch.setattr(h200.generate, "run", fake_generate)
     monkeypatch.setattr(h200.train, "run", fake_train)
@@ -301,3 +303,20 @@ def test_a_filtered_carried_answer_set_is_trained_as_it_is(tmp_path, monkeypatch
     assert generated[1] == ["sharegpt_v3_filtered_500.json"]
     own = (run_dir / "gen" / generate.SELF_PROMPTS).read_text().splitlines()
     assert sorted(json.loads(line)["id"] for line in own) == sorted(str(i) for i in range(30))
+
+    # --target-attn probe: both attentions timed (probe_step_s), the faster trains; one that fails is not chosen
+    step_s = {"sdpa": 0.08, "flex": 0.05}
+
+    def fake_probe(cfg, name):
+        if step_s[cfg["target_attn"]] is None:
+            raise RuntimeError("no kernel")
+        return step_s[cfg["target_attn"]]
+    monkeypatch.setattr(h200, "probe_step_s", fake_probe)
+    train_on("--answer-sources", "gsm8k", "--target-attn", "probe")
+    assert chosen[-1] == "flex"
+    step_s["flex"] = None
+    train_on("--answer-sources", "gsm8k", "--target-attn", "probe")
+    assert chosen[-1] == "sdpa"
+    assert "no kernel" in json.loads((tmp_path / "out" / "train.json").read_text())["target_attn_probe_flex_error"]
+    train_on("--answer-sources", "gsm8k", "--target-attn", "flex")
+    assert chosen[-1] == "flex"
