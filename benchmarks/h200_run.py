@@ -59,6 +59,21 @@ def probe_step_s(cfg: dict, name: str, steps: int = 60) -> float:
     return statistics.fmean(s for s in tail if s <= 3 * med)
 
 
+def probe_fastest(cfg: dict, key: str, choices, label: str, name: str, res: dict) -> float:
+    """Set cfg[key] to the choice whose training step is fastest (probe_step_s, run as name.format(choice)); a
+    choice that fails its probe is not chosen (its error in res["{label}_probe_{choice}_error"]). Records
+    res["{label}_probe_step_s"] and res[key]; returns the chosen choice's step time."""
+    probed = {}
+    for choice in choices:
+        try:
+            probed[choice] = probe_step_s({**cfg, key: choice}, name.format(choice))
+        except Exception as e:  # noqa: BLE001 - a path that fails here is simply not chosen
+            res[f"{label}_probe_{choice}_error"] = repr(e)[:500]
+    cfg[key] = min(probed, key=probed.get)
+    res.update({f"{label}_probe_step_s": {k: round(v, 4) for k, v in probed.items()}, key: cfg[key]})
+    return probed[cfg[key]]
+
+
 # --self-prompt-topics tasks: generic kinds of request, one a self-prompt try in turn (generate.TOPIC_SYSTEM). They
 # span MT-bench's and Spec-Bench's categories by name (writing, role-play, reasoning, math, coding, extraction, STEM,
 # humanities; summarization, translation, questions); no evaluation prompt is used (generate still excludes them)
@@ -197,36 +212,23 @@ def phase_train(a):
                target_dtype=a.dtype, ttt_depth=a.depth, eval_depth=a.eval_depth, step_decay=a.step_decay,
                draft_vocab_size=a.vocab, draft_intermediate_size=a.draft_intermediate, lr=a.lr, batch_tokens=a.batch_tokens,
                rows_per_pack=a.rows_per_pack,
-               loss_chunk_tokens=a.loss_chunk, eval_fraction=0.02, save_every=200, attn_impl=a.attn_impl,  # --deadline saves on stopping; this bounds a kill
-               compile_loss=a.compile_loss, target_attn="sdpa" if a.target_attn == "probe" else a.target_attn)
-    if a.target_attn == "probe":  # the target's attention over a pack by measurement: the faster step wins
-        if a.attn_impl == "probe":
-            raise SystemExit("probe one of --attn-impl and --target-attn at a time")
-        probed = {}
-        for impl in train.TARGET_ATTENTION:
-            try:
-                probed[impl] = probe_step_s({**cfg, "target_attn": impl}, f"target-{impl}")
-            except Exception as e:  # noqa: BLE001 - a path that fails here is simply not chosen (sdpa, the default, is
-                res[f"target_attn_probe_{impl}_error"] = repr(e)[:500]  # what ran every pipeline so far)
-        cfg["target_attn"] = min(probed, key=probed.get)
-        res.update(target_attn_probe_step_s={k: round(v, 4) for k, v in probed.items()}, target_attn=cfg["target_attn"])
-        dump(out, "train.json", res)
-        print(json.dumps(res), flush=True)
-    if a.attn_impl == "probe":  # decide the TTT attention by measurement: the faster step wins
-        probes = {}
-        for impl in ("eager", "flex", "split"):
-            try:
-                probes[impl] = probe_step_s({**cfg, "attn_impl": impl}, impl)
-            except Exception as e:  # noqa: BLE001 - a path that fails here is simply not chosen
-                res[f"attn_probe_{impl}_error"] = repr(e)[:500]
-        cfg["attn_impl"] = min(probes, key=probes.get)
-        res.update(attn_probe_step_s={k: round(v, 4) for k, v in probes.items()}, attn_impl=cfg["attn_impl"])
-        dump(out, "train.json", res)
-        print(json.dumps(res), flush=True)
+               loss_chunk_tokens=a.loss_chunk, eval_fraction=0.02, save_every=200,  # --deadline saves on stopping; this bounds a kill
+               attn_impl="auto" if a.attn_impl == "probe" else a.attn_impl, compile_loss=a.compile_loss,
+               target_attn="sdpa" if a.target_attn == "probe" else a.target_attn)  # a probe sets these below
+    fastest = None  # the probed step time of the chosen setting, if a probe ran
+    # settings decided by measurement: each choice trained for a few steps, the faster step wins (the target's
+    # attention first, then the TTT attention with it)
+    for key, flag, choices, label, name in (
+            ("target_attn", a.target_attn, train.TARGET_ATTENTION, "target_attn", "target-{}"),
+            ("attn_impl", a.attn_impl, ("eager", "flex", "split"), "attn", "{}")):  # res keys as since run 3
+        if flag == "probe":
+            fastest = probe_fastest(cfg, key, choices, label, name, res)
+            dump(out, "train.json", res)
+            print(json.dumps(res), flush=True)
     if a.train_steps:  # the step count from an earlier probe of the same settings
         steps = a.train_steps
     else:
-        step_s = probe_step_s(cfg, cfg["attn_impl"]) if a.attn_impl != "probe" else min(probes.values())
+        step_s = probe_step_s(cfg, cfg["attn_impl"]) if fastest is None else fastest
         res.update(probe_peak_gb=round(torch.cuda.max_memory_allocated() / 2**30, 1), probe_step_s=round(step_s, 4))
         steps = max(50, int(a.train_seconds / max(step_s, 1e-3)))
     res.update(schedule_steps=steps)

@@ -269,8 +269,9 @@ def test_a_filtered_carried_answer_set_is_trained_as_it_is(tmp_path, monkeypatch
     def fake_train(cfg):
         trained.append({json.loads(line)["id"] for line in Path(cfg.data).read_text().splitlines()})
         chosen.append(cfg.target_attn)
+        impls.append(cfg.attn_impl)
         raise Stop
-    chosen = []
+    chosen, impls = [], []
 
     monkeypatch.setattr(h200.generate, "run", fake_generate)
     monkeypatch.setattr(h200.train, "run", fake_train)
@@ -310,7 +311,7 @@ def test_a_filtered_carried_answer_set_is_trained_as_it_is(tmp_path, monkeypatch
     def fake_probe(cfg, name):
         if step_s[cfg["target_attn"]] is None:
             raise RuntimeError("no kernel")
-        return step_s[cfg["target_attn"]]
+        return step_s[cfg["target_attn"]] + {"eager": 0.01, "flex": 0.02, "split": 0.03}.get(cfg["attn_impl"], 0.0)
     monkeypatch.setattr(h200, "probe_step_s", fake_probe)
     train_on("--answer-sources", "gsm8k", "--target-attn", "probe")
     assert chosen[-1] == "flex"
@@ -320,3 +321,7 @@ def test_a_filtered_carried_answer_set_is_trained_as_it_is(tmp_path, monkeypatch
     assert "no kernel" in json.loads((tmp_path / "out" / "train.json").read_text())["target_attn_probe_flex_error"]
     train_on("--answer-sources", "gsm8k", "--target-attn", "flex")
     assert chosen[-1] == "flex"
+    train_on("--answer-sources", "gsm8k", "--target-attn", "probe", "--attn-impl", "probe")  # both, one after the other
+    assert (chosen[-1], impls[-1]) == ("sdpa", "eager")  # eager: what the CPU can train
+    assert json.loads((tmp_path / "out" / "train.json").read_text())["attn_probe_step_s"] == pytest.approx(
+        {"eager": 0.09, "flex": 0.10, "split": 0.11})
