@@ -253,12 +253,13 @@ def target_features(model, batch: dict, aux_layers, attn: str = "sdpa") -> dict:
     ids, seg, pos = batch["input_ids"].long(), batch["segment_ids"], batch["position_ids"]
     B, T = ids.shape
     model.setup_caches(B, T)
+    visible = causal_segment_mask_mod(seg)  # key ki seen from query qi: ki <= qi in qi's sample
     if attn == "flex":  # over the cache's first T slots
-        mask = broadcast_block_mask(causal_segment_mask_mod(seg), B, T, T, ids.device)
+        mask = broadcast_block_mask(visible, B, T, T, ids.device)
     else:
-        mask = torch.zeros(B, T, model.max_len, dtype=torch.bool, device=ids.device)  # the cache may be longer than T
-        mask[..., :T] = (seg[:, :, None] == seg[:, None, :]) & torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()
-        mask = mask[:, None]
+        n = torch.arange(T, device=ids.device)
+        mask = torch.zeros(B, 1, T, model.max_len, dtype=torch.bool, device=ids.device)  # the cache may be longer than T
+        mask[..., :T] = visible(torch.arange(B, device=ids.device)[:, None, None], None, n[:, None], n)[:, None]
     out = model(ids, torch.arange(T, device=ids.device), mask, pos, capture=aux_layers)
     # the (tokens, V) logits a chunk at a time, whatever B is
     argmax = torch.cat([model.logits(h).argmax(-1) for h in out.hidden.flatten(0, 1).split(1024)]).view(B, T)
