@@ -1024,6 +1024,13 @@ def verify_cycle(model: Transformer, drafter: Eagle3Drafter, spec: TreeSpec, acc
 
 
 def accept_sampled_on_device(p, tree: DraftTree, rank, exists, qrow, q, draft_ids, u_nodes, u_vocab, depth: int, k: int):
+    """accept_tree_sampled with fixed shapes: accept_sampled_chain for a chain (k 1), else accept_sampled_walk."""
+    if k == 1:
+        return accept_sampled_chain(p, tree, exists, qrow, q, draft_ids, u_nodes, u_vocab, depth)
+    return accept_sampled_walk(p, tree, rank, exists, qrow, q, draft_ids, u_nodes, u_vocab, depth, k)
+
+
+def accept_sampled_walk(p, tree: DraftTree, rank, exists, qrow, q, draft_ids, u_nodes, u_vocab, depth: int, k: int):
     """accept_tree_sampled with fixed shapes (depth levels of k sibling tries, every branch computed and
     selected with where), so it runs inside a graph. p: (N+1, V) target distributions at root and nodes;
     rank (N,): a node's place in its parent's draw order (the kept children of a node are a prefix of
@@ -1065,6 +1072,33 @@ def accept_sampled_on_device(p, tree: DraftTree, rank, exists, qrow, q, draft_id
     r_stop = torch.where(alive, p[cur][0], r_stop)  # a node at full depth has no children: the walk stops there
     rows = torch.cat(rows)  # (depth+1,)
     n = (rows[1:] > 0).sum(0, keepdim=True)
+    return n, rows, gumbel_sample(r_stop[None], u_vocab[None])
+
+
+def accept_sampled_chain(p, tree: DraftTree, exists, qrow, q, draft_ids, u_nodes, u_vocab, depth: int):
+    """accept_sampled_walk for a chain (topk 1: a node has at most one child). With no siblings a depth's
+    test reads only its own node and its parent's p and q, so every depth is tested at once and the walk ends
+    at the first rejection: a dozen kernels where the walk's loop is ~20 a depth. Same uniforms, same answer."""
+    N1, V = p.shape
+    dev = p.device
+    at = exists & (tree.depth == torch.arange(1, depth + 1, device=dev)[:, None])  # (depth, N) one node a depth at most
+    node = at.int().argmax(-1) + 1  # (depth,) row of the node at each depth (junk where at[d] has none)
+    parent = torch.cat([node.new_zeros(1), node[:-1]])  # (depth,) its parent's row: the node a depth up, or the root
+    qrow = torch.cat([qrow.new_zeros(1), qrow]).clamp(min=0)  # (N+1,)
+    qd = torch.zeros(depth, V, device=dev, dtype=p.dtype).index_copy(1, draft_ids, q[qrow[parent]].to(p.dtype))
+    x = tree.tokens[node - 1]  # (depth,)
+    ok = at.any(-1) & (u_nodes[node] * qd[torch.arange(depth, device=dev), x] < p[parent, x])  # (depth,)
+    kept = ok.int().cumprod(0)  # (depth,) 1 up to the first rejection
+    n = kept.sum(0, keepdim=True)  # (1,)
+    rows = torch.cat([node.new_zeros(1), node * kept])  # (depth+1,)
+    # the next token: from p at the last accepted node, or, where the node below it was drawn and rejected, from
+    # the residual norm(max(0, p - q)) of that test (p == q exactly leaves nothing: p itself)
+    i = n.clamp(max=depth - 1)  # (1,) the depth index tested after the last accepted node
+    base = p[rows[n]][0]  # (V,)
+    left = (base - qd[i][0]).clamp(min=0)
+    total = left.sum()
+    rejected = (n < depth) & at.any(-1)[i] & (total > 0)  # (1,)
+    r_stop = torch.where(rejected, left / total.clamp(min=torch.finfo(p.dtype).tiny), base)
     return n, rows, gumbel_sample(r_stop[None], u_vocab[None])
 
 

@@ -970,6 +970,37 @@ def test_a_sampled_chain_on_the_device_is_lossless_on_bigram_models(one_thread, 
     assert bigram_tv(300, spec=chain)[1] > 0.25
 
 
+def test_the_chain_acceptance_is_the_walk_at_topk_1():
+    """accept_sampled_chain (all depths tested at once) returns what accept_sampled_walk's loop does for a chain,
+    from the same uniforms: n, the rows and the next token, over every outcome (each n from 0 to the depth,
+    a tail the drafter could not draw) and a drafter close to or far from the target."""
+    from draftsmith.decode import accept_sampled_chain, accept_sampled_walk
+
+    V, Vd, D = 64, 24, 3
+    seen_n, seen_missing = set(), False
+    for seed in range(400):
+        g = torch.Generator().manual_seed(seed)
+        draft_ids = torch.randperm(V, generator=g)[:Vd].sort().values
+        q = torch.distributions.Dirichlet(torch.full((Vd,), 0.3)).sample((D,))  # row d: depth d+1's draws
+        x = torch.stack([torch.multinomial(q[d], 1, generator=g)[0] for d in range(D)])  # draft vocab
+        qfull = torch.zeros(D, V).index_copy(1, draft_ids, q)
+        noise = torch.distributions.Dirichlet(torch.full((V,), 0.3)).sample((D + 1,))
+        mix = seed % 4 / 4  # 0: the target is the drafter (up to its last row), 0.75: far from it
+        p = torch.cat([(1 - mix) * qfull + mix * noise[:D], noise[D:]])  # (D+1, V): root, nodes
+        tree = DraftTree(draft_ids[x], torch.arange(-1, D - 1), torch.arange(1, D + 1))
+        exists = torch.arange(D) < (D if seed % 5 else seed % 3 + 1)  # sometimes a tail that was not drawn
+        qrow = torch.where(torch.arange(D) < D - 1, torch.arange(1, D + 1), -1)
+        u_nodes, u_vocab = torch.rand(D + 1, generator=g), torch.rand(V, generator=g)
+        chain = accept_sampled_chain(p, tree, exists, qrow, q, draft_ids, u_nodes, u_vocab, D)
+        walk = accept_sampled_walk(p, tree, torch.zeros(D, dtype=torch.long), exists, qrow, q, draft_ids,
+                                   u_nodes, u_vocab, D, 1)
+        for a, b in zip(chain, walk):
+            assert torch.equal(a, b), (seed, chain, walk)
+        seen_n.add(int(chain[0]))
+        seen_missing |= bool(int(chain[0]) == exists.sum() < D)
+    assert seen_n == set(range(D + 1)) and seen_missing
+
+
 @pytest.mark.parametrize("kind", ["device", "host"])
 def test_the_greedy_tree_with_the_targets_own_draws_is_lossless_on_bigram_models(one_thread, monkeypatch, kind):
     """TreeSpec.draws "top": the tree is drafted as at T=0 and the target draws its own token at every
