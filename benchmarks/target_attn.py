@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from h200_run import SMOLLM2, random_model  # noqa: E402
 
+from draftsmith.bench import git_commit  # noqa: E402
 from draftsmith.train import target_features  # noqa: E402
 
 
@@ -57,7 +58,8 @@ def main():
     aux = SMOLLM2.default_aux_layers()
     gen = torch.Generator().manual_seed(0)
     packs = [pack(a.rows, a.tokens, a.mean_len, gen) for _ in range(a.packs)]
-    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": a.rows, "tokens": a.tokens,
+    res = {"command": "python benchmarks/target_attn.py " + " ".join(sys.argv[1:]), "commit": git_commit(),
+           "device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": a.rows, "tokens": a.tokens,
            "mean_len": a.mean_len, "packs": a.packs, "reps": a.reps}
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         worst, agree = 0.0, []
