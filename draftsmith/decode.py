@@ -1083,12 +1083,13 @@ def accept_sampled_chain(p, tree: DraftTree, exists, qrow, q, draft_ids, u_nodes
     Same uniforms, same answer."""
     V, dev = p.shape[1], p.device
     at = exists & (tree.depth == torch.arange(1, depth + 1, device=dev)[:, None])  # (depth, N) one node a depth at most
-    node = at.int().argmax(-1) + 1  # (depth,) row of the node at each depth (junk where at[d] has none)
+    has = at.any(-1)  # (depth,) a node was drawn at that depth
+    node = at.int().argmax(-1) + 1  # (depth,) row of the node at each depth (junk where has is false)
     parent = torch.cat([node.new_zeros(1), node[:-1]])  # (depth,) its parent's row: the node a depth up, or the root
     qrow = torch.cat([qrow.new_zeros(1), qrow]).clamp(min=0)  # (N+1,)
     qd = torch.zeros(depth, V, device=dev, dtype=p.dtype).index_copy(1, draft_ids, q[qrow[parent]].to(p.dtype))
     x = tree.tokens[node - 1]  # (depth,)
-    ok = at.any(-1) & (u_nodes[node] * qd[torch.arange(depth, device=dev), x] < p[parent, x])  # (depth,)
+    ok = has & (u_nodes[node] * qd[torch.arange(depth, device=dev), x] < p[parent, x])  # (depth,)
     kept = ok.int().cumprod(0)  # (depth,) 1 up to the first rejection
     n = kept.sum(0, keepdim=True)  # (1,)
     rows = torch.cat([node.new_zeros(1), node * kept])  # (depth+1,)
@@ -1098,7 +1099,7 @@ def accept_sampled_chain(p, tree: DraftTree, exists, qrow, q, draft_ids, u_nodes
     base = p[rows[n]][0]  # (V,)
     left = (base - qd[i][0]).clamp(min=0)
     total = left.sum()
-    rejected = (n < depth) & at.any(-1)[i] & (total > 0)  # (1,)
+    rejected = (n < depth) & has[i] & (total > 0)  # (1,)
     r_stop = torch.where(rejected, left / total.clamp(min=torch.finfo(p.dtype).tiny), base)
     return n, rows, gumbel_sample(r_stop[None], u_vocab[None])
 
