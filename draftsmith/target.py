@@ -244,7 +244,7 @@ def compiled_flex_attention():
 def run_flex(q, k, v, mask: BlockMask, return_lse: bool = False, scale=None):
     """flex_attention with grouped-query heads, compiled on CUDA. On the CPU it runs unfused (it
     materialises the scores, and torch has no CPU backward for it): for tests."""
-    if not q.is_cuda:
+    if not q.is_cuda or torch.compiler.is_compiling():  # inside compiled code (Transformer.compile_long) it fuses as is
         return flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=True, return_lse=return_lse)
     flex = compiled_flex_attention()
     # recompile_limit: room for the specialisations above (the default, 8, is close), past which torch would
@@ -452,7 +452,7 @@ class Transformer(nn.Module):
         cos, sin = self.rotary(rope_pos, x.dtype)
         aux = []
         for i, layer in enumerate(self.layers):
-            x = (layer.fast if short and hasattr(layer, "fast") else layer)(x, cos, sin, input_pos, mask)
+            x = (layer.fast if short and hasattr(layer, "fast") else getattr(layer, "long", layer))(x, cos, sin, input_pos, mask)
             if i in capture:
                 aux.append(x)
         return self.final_norm(x), torch.cat(aux, dim=-1) if aux else None
@@ -475,7 +475,7 @@ class Transformer(nn.Module):
         head = self.__dict__.get("head_kernels")
         if head and head.covers(hidden):
             return head.argmax(hidden, self.lm_head.weight)
-        return self.logits(hidden).argmax(-1)
+        return small_linear(hidden, self.lm_head.weight).argmax(-1)  # in the head's dtype: an fp32 copy has the same argmax
 
     def optimize(self, compile_backend: str | None = None, scope: str = "layer", attention: str = "matmul",
                  kernels: str = "torch", tuning=None) -> "Transformer":
@@ -535,6 +535,18 @@ class Transformer(nn.Module):
         cfg = torch._dynamo.config
         name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
         setattr(cfg, name, max(getattr(cfg, name), 64))  # a few query lengths x cache sizes x captures
+
+    def compile_long(self, backend: str = "inductor") -> "Transformer":
+        """Online training: the target's pass over packed rows (train.target_features, queries longer than
+        COMPILED_MAX_TOKENS) through torch.compile, so that each layer's norms, rotary embedding, residual adds
+        and gated activation become a few fused kernels instead of ~40 eager ones over (B, T, H) tensors. One
+        compilation with a dynamic length serves every layer and every pack; short queries keep optimize()'s paths."""
+        for layer in self.layers:
+            layer.long = torch.compile(layer.forward, backend=backend, dynamic=True)
+        cfg = torch._dynamo.config
+        name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+        setattr(cfg, name, max(getattr(cfg, name), 64))  # a new cache length (the longest pack so far) may recompile
+        return self
 
     def keep_rows(self, rows: torch.Tensor):
         """Drop finished sequences from a batched cache."""

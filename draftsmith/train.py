@@ -103,6 +103,8 @@ class TrainConfig:
     compile_loss: bool | None = None  # the per-chunk KL through torch.compile; None: on CUDA
     target_attn: str = "sdpa"  # online: the target's attention over a pack, "sdpa" (a dense (T, T) same-sample causal
     # mask) or "flex" (flex_attention with a block mask: the tiles no query of the sample sees are skipped; compiled on CUDA)
+    target_compile: bool = False  # online: the target's pass over a pack through torch.compile (Transformer.compile_long:
+    # fused norms, rotary and activations; a one-off compilation, seconds on a GPU)
     parallel: str = "ddp"  # under torchrun: "ddp" or "fsdp" (FSDP2 fully_shard)
     eval_fraction: float = 0.05
     eval_data: str | None = None  # also evaluate on this (answers.jsonl online, extracted shards offline) each epoch,
@@ -139,6 +141,9 @@ class TrainConfig:
             raise ValueError(f"attn_impl must be one of {', '.join(map(repr, TTT_ATTENTION))}, not {self.attn_impl!r}")
         if self.target_attn not in TARGET_ATTENTION:
             raise ValueError(f"target_attn must be one of {', '.join(map(repr, TARGET_ATTENTION))}, not {self.target_attn!r}")
+        if self.target_compile and self.target_attn == "flex" and not self.device.startswith("cuda"):
+            raise ValueError("target_compile with target_attn='flex' needs a CUDA device (inductor's CPU flex kernel "
+                             "fails to build); on the CPU use target_attn='sdpa' with it")
         if self.attn_impl in ("flex", "split") and not self.device.startswith("cuda"):
             raise ValueError(f"attn_impl {self.attn_impl!r} needs CUDA (torch has no flex_attention backward on the "
                              f"{self.device}): use --attn-impl auto or eager there")
@@ -262,7 +267,7 @@ def target_features(model, batch: dict, aux_layers, attn: str = "sdpa") -> dict:
         mask[..., :T] = visible(torch.arange(B, device=ids.device)[:, None, None], None, n[:, None], n)[:, None]
     out = model(ids, torch.arange(T, device=ids.device), mask, pos, capture=aux_layers)
     # the (tokens, V) logits a chunk at a time, whatever B is
-    argmax = torch.cat([model.logits(h).argmax(-1) for h in out.hidden.flatten(0, 1).split(1024)]).view(B, T)
+    argmax = torch.cat([model.greedy(h) for h in out.hidden.flatten(0, 1).split(1024)]).view(B, T)
     return {"aux": out.aux, "final": out.hidden, "argmax": argmax}
 
 
@@ -663,6 +668,8 @@ def load_data(config: TrainConfig, target):
     if config.online:
         data = Conversations(config.data, target.tokenizer, config.max_length)
         aux = tuple(config.aux_layers or target.model.args.default_aux_layers())
+        if config.target_compile:
+            target.model.compile_long()
         return data, aux, lambda batch: {**batch, **target_features(target.model, batch, aux, config.target_attn)}
     data = HiddenStates(config.data)
     if data.manifest.get("hidden_size") != target.model.args.hidden_size:

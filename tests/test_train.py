@@ -360,6 +360,38 @@ def test_target_flex_attention_equals_the_dense_mask(tiny_target_dir, device):
     assert (flex["argmax"] == dense["argmax"]).float().mean() >= (1.0 if device == "cpu" else 0.99)
     with pytest.raises(ValueError, match="target_attn"):
         TrainConfig(target="x", data="x", out="y", target_attn="flash")
+    with pytest.raises(ValueError, match="CUDA"):
+        TrainConfig(target="x", data="x", out="y", target_attn="flex", target_compile=True)
+
+
+@pytest.mark.parametrize("attn,device", [("sdpa", "cpu"), pytest.param("flex", "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="inductor builds the compiled flex kernel for CUDA (its CPU one fails to build)")])])
+def test_the_compiled_target_pass_equals_the_eager_one(tiny_target_dir, attn, device):
+    """TrainConfig.target_compile (Transformer.compile_long): the target's pass over packs of changing length runs
+    compiled code, one compilation for every layer, and gives the eager pass's features and greedy tokens."""
+    from torch._dynamo.utils import counters
+
+    target = load_target(str(tiny_target_dir), device)
+    g = torch.Generator().manual_seed(1)
+    packs = []
+    for T in (300, 280, 330):  # the cache grows (330), then a shorter pack reads part of it
+        seg = torch.zeros(2, T, dtype=torch.long)
+        seg[:, T // 3:] = 1
+        seg[1, -7:] = -1  # padding
+        pos = torch.cat([torch.arange(T // 3), torch.arange(T - T // 3)]).expand(2, T).clone()
+        packs.append({k: v.to(device) for k, v in {"input_ids": torch.randint(0, target.model.args.vocab_size, (2, T), generator=g),
+                                                   "segment_ids": seg, "position_ids": pos}.items()})
+    eager = [target_features(target.model, b, (0, 1, 2), attn) for b in packs]
+    graphs = counters["stats"]["unique_graphs"]
+    target.model.compile_long()
+    for b, ref in zip(packs, eager):
+        out = target_features(target.model, b, (0, 1, 2), attn)
+        tol = 1e-4 if device == "cpu" else 2e-3  # fp32; on CUDA fused kernels sum in another order
+        for k in ("aux", "final"):
+            torch.testing.assert_close(out[k], ref[k], atol=tol, rtol=tol)
+        assert (out["argmax"] == ref["argmax"]).float().mean() >= (1.0 if device == "cpu" else 0.99)
+    assert counters["stats"]["unique_graphs"] > graphs  # compiled code ran
+    assert counters["stats"]["unique_graphs"] - graphs < len(target.model.layers) * len(packs)  # not a graph a layer
 
 
 @pytest.mark.parametrize("rows_per_pack", [1, 2])
@@ -380,9 +412,11 @@ def test_online_training_with_the_target_on_flex_attention(tiny_target_dir, tiny
                   epochs=1, batch_tokens=512, lr=1e-3, eval_fraction=0.25)
     dense = run(TrainConfig(out=str(tmp_path / "sdpa"), **common))
     flex = run(TrainConfig(out=str(tmp_path / "flex"), target_attn="flex", **common))
-    assert flex.steps == dense.steps
-    for a, b in zip(flex.eval["loss"], dense.eval["loss"]):
-        assert abs(a - b) < 1e-4 * max(abs(b), 1.0)
+    compiled = run(TrainConfig(out=str(tmp_path / "compiled"), target_compile=True, **common))  # and compiled
+    for other in (flex, compiled):
+        assert other.steps == dense.steps
+        for a, b in zip(other.eval["loss"], dense.eval["loss"]):
+            assert abs(a - b) < 1e-4 * max(abs(b), 1.0)
 
 
 def test_tensorboard_scalars(tiny_target_dir, tiny_hidden, tmp_path):
