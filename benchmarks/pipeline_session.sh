@@ -5,7 +5,9 @@
 # self-written prompt, online training at TTT depth 3 with a draft vocab of 8,192, 6,000 steps: run 18's recipe,
 # export, then the bench: plain, chain 5, the 4x5x15
 # tree beside 8x6x48, T=1 sampled trees (SAMPLED_TREES, session_steps.sh), fp32 check) into OUT/pipe, then the GPU
-# kernel tests if time is left before END.
+# kernel tests if time is left before END. First, while the GGUF is still coming, benchmarks/target_attn.py times the
+# target's pass over a training pack in each setting (dense or flex mask, eager or compiled) and the pipeline trains
+# with the fastest (its train_flags; TARGET_PROBE=0 skips it and trains with the defaults; PIPE_FLAGS come after).
 #   END: unix time by which the job must be done (the session's device budget). Training stops checkpointed
 #   BENCH_S seconds (default 330) before it so that the bench fits; the tests run only with 150+ s left.
 # Each step writes OUT/steps.txt lines (rc, seconds); OUT/done at the end. Environment overrides: TRAIN_STEPS
@@ -15,10 +17,17 @@
 set -uo pipefail
 out=${1:?usage: pipeline_session.sh OUT GGUF DATA END} gguf=${2:?GGUF} data=${3:?DATA} end=${4:?END (unix time)}
 source "$(dirname "$0")/session_steps.sh" pipeline  # from /tmp/pipeline-session-tree; step NAME SECONDS CMD...; OUT/steps.txt
+target_flags=()
+if [ "${TARGET_PROBE:-1}" != 0 ]; then  # random weights: no GGUF needed, so it runs while the staging calls bring it
+  step target-attn 120 python3 benchmarks/target_attn.py --packs 6 --reps 3 --out "$out/target-attn.json"
+  read -r -a target_flags < <(python3 -c 'import json, sys; print(" ".join(json.load(open(sys.argv[1]))["train_flags"]))' \
+    "$out/target-attn.json" 2>/dev/null)
+  echo "== target-attn: training with [${target_flags[*]}]" | tee -a "$out/steps.txt"
+fi
 wait_gguf 400 "$gguf"
 step pipeline $(( end - $(date +%s) )) python3 benchmarks/h200_run.py both --gguf "$gguf" --data "$data" \
   --train-steps "${TRAIN_STEPS:-6000}" --gen-seconds "${GEN_SECONDS:-700}" --deadline $(( end - ${BENCH_S:-330} )) \
-  "${smollm2_bench[@]}" ${PIPE_FLAGS:-} --out "$out/pipe"
+  "${smollm2_bench[@]}" ${target_flags[@]+"${target_flags[@]}"} ${PIPE_FLAGS:-} --out "$out/pipe"
 left=$(( end - $(date +%s) ))
 if [ "$left" -gt 150 ]; then
   step pytest-gpu "$left" bash -c "set -o pipefail; python3 -m pytest -v --tb=short -m gpu tests/test_kernels.py \

@@ -270,8 +270,9 @@ def test_a_filtered_carried_answer_set_is_trained_as_it_is(tmp_path, monkeypatch
         trained.append({json.loads(line)["id"] for line in Path(cfg.data).read_text().splitlines()})
         chosen.append(cfg.target_attn)
         impls.append(cfg.attn_impl)
+        compiled.append(cfg.target_compile)
         raise Stop
-    chosen, impls = [], []
+    chosen, impls, compiled = [], [], []
 
     monkeypatch.setattr(h200.generate, "run", fake_generate)
     monkeypatch.setattr(h200.train, "run", fake_train)
@@ -320,8 +321,33 @@ def test_a_filtered_carried_answer_set_is_trained_as_it_is(tmp_path, monkeypatch
     assert chosen[-1] == "sdpa"
     assert "no kernel" in json.loads((tmp_path / "out" / "train.json").read_text())["target_attn_probe_flex_error"]
     train_on("--answer-sources", "gsm8k", "--target-attn", "flex")
-    assert chosen[-1] == "flex"
+    assert chosen[-1] == "flex" and compiled[-1] is False
+    train_on("--answer-sources", "gsm8k", "--target-compile")  # the target's pass compiled (target_attn.py's choice)
+    assert (chosen[-1], compiled[-1]) == ("sdpa", True)
+    assert json.loads((tmp_path / "out" / "train.json").read_text())["target_compile"] is True
     train_on("--answer-sources", "gsm8k", "--target-attn", "probe", "--attn-impl", "probe")  # both, one after the other
     assert (chosen[-1], impls[-1]) == ("sdpa", "eager")  # eager: what the CPU can train
     assert json.loads((tmp_path / "out" / "train.json").read_text())["attn_probe_step_s"] == pytest.approx(
         {"eager": 0.09, "flex": 0.10, "split": 0.11})
+
+
+def test_target_attn_names_the_fastest_setting_that_passed():
+    """benchmarks/target_attn.py's choice, which pipeline_session.sh trains with: the fastest setting on ragged packs
+    as h200_run.py flags, none when eager sdpa (the default) is within min_gain of it or was not timed."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("target_attn", Path(__file__).parents[1] / "benchmarks" / "target_attn.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    res = {"sdpa_ragged_ms_a_pack": 44.0, "flex_ragged_ms_a_pack": 41.0, "sdpa_compiled_ragged_ms_a_pack": 30.0,
+           "flex_compiled_ragged_ms_a_pack": 32.0, "sdpa_fixed_ms_a_pack": 10.0}
+    assert mod.choose(res, 1.03) == {"fastest_ragged": "sdpa_compiled", "fastest_ragged_speedup": 1.467,
+                                     "train_flags": ["--target-attn", "sdpa", "--target-compile"]}
+    del res["sdpa_compiled_ragged_ms_a_pack"]  # a setting whose check failed is not timed
+    assert mod.choose(res, 1.03)["train_flags"] == ["--target-attn", "flex", "--target-compile"]
+    assert mod.choose({"sdpa_ragged_ms_a_pack": 44.0, "flex_ragged_ms_a_pack": 43.5}, 1.03)["train_flags"] == []
+    assert mod.choose({"flex_ragged_ms_a_pack": 43.5}, 1.03) == {"train_flags": []}
+    parsed = h200_run().build_parser().parse_args(["train", "--gguf", "g", "--data", "d", "--out", "o",
+                                                   *mod.choose(res, 1.03)["train_flags"]])
+    assert (parsed.target_attn, parsed.target_compile) == ("flex", True)
