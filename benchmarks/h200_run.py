@@ -205,7 +205,7 @@ def phase_train(a):
         if a.eval_mtbench_sampled:  # and its sampled ones (T=1): their accept_length_t1 scores sampled decoding
             eval_sampled = answer((evals[0],), RUN / "gen-mtbench-t1", max_new_tokens=a.max_new_bench, temperature=1.0,
                                   seed=1).path
-    res.update(target_attn=a.target_attn, target_compile=a.target_compile)  # a probe replaces "probe" by its choice
+    res.update(target_attn=a.target_attn, target_compile=a.target_compile, pad_packs=a.pad_packs)  # a probe replaces "probe"
     dump(out, "train.json", res)
     print(json.dumps(res), flush=True)
     cfg = dict(target=a.gguf, data=str(train_data), eval_data=eval_data, eval_data_sampled=eval_sampled, online=True,
@@ -216,7 +216,7 @@ def phase_train(a):
                loss_chunk_tokens=a.loss_chunk, eval_fraction=0.02, save_every=200,  # --deadline saves on stopping; this bounds a kill
                attn_impl="auto" if a.attn_impl == "probe" else a.attn_impl, compile_loss=a.compile_loss,
                target_attn="sdpa" if a.target_attn == "probe" else a.target_attn,  # a probe sets these below
-               target_compile=a.target_compile)
+               target_compile=a.target_compile, pad_packs=a.pad_packs)
     fastest = None  # the probed step time of the chosen setting, if a probe ran
     # settings decided by measurement: each choice trained for a few steps, the faster step wins (the target's
     # attention first, then the TTT attention with it)
@@ -954,6 +954,8 @@ def build_parser() -> argparse.ArgumentParser:
                     " attention over a pack (TrainConfig.target_attn); probe: time both (60 steps each), train with the faster")
     ap.add_argument("--target-compile", action=argparse.BooleanOptionalAction, default=False, help="train: the target's"
                     " pass over a pack compiled (TrainConfig.target_compile); benchmarks/target_attn.py times it")
+    ap.add_argument("--pad-packs", action=argparse.BooleanOptionalAction, default=False, help="train: every pack padded to"
+                    " rows-per-pack x batch-tokens (TrainConfig.pad_packs): one shape for the compiled target pass")
     ap.add_argument("--attn-impl", default="auto", help="train: TTT attention (auto | eager | flex | split | probe: time"
                     " each, train with the fastest)")
     ap.add_argument("--compile-loss", action=argparse.BooleanOptionalAction, default=None, help="train: compiled KL (default: on CUDA)")

@@ -5,9 +5,11 @@
 # self-written prompt, online training at TTT depth 3 with a draft vocab of 8,192, 6,000 steps: run 18's recipe,
 # export, then the bench: plain, chain 5, the 4x5x15
 # tree beside 8x6x48, T=1 sampled trees (SAMPLED_TREES, session_steps.sh), fp32 check) into OUT/pipe, then the GPU
-# kernel tests if time is left before END. First, while the GGUF is still coming, benchmarks/target_attn.py times the
-# target's pass over a training pack in each setting (dense or flex mask, eager or compiled) and the pipeline trains
-# with the fastest (its train_flags; TARGET_PROBE=0 skips it and trains with the defaults; PIPE_FLAGS come after).
+# kernel tests if time is left before END. With TARGET_PROBE=1, first, while the GGUF is still coming,
+# benchmarks/target_attn.py times the target's pass over a training pack in each setting (dense or flex mask, eager or
+# compiled) and the pipeline trains with the fastest (its train_flags; PIPE_FLAGS come after). Off by default: in
+# run 19 it chose flex (2.4x eager sdpa on its ragged packs), and training's steps then took 94.8 ms on average against
+# run 18's 94.0 with sdpa (logs/h100-target-attn-d14c00b.json): its ragged figures do not stand for training's packs.
 #   END: unix time by which the job must be done (the session's device budget). Training stops checkpointed
 #   BENCH_S seconds (default 330) before it so that the bench fits; the tests run only with 150+ s left.
 # Each step writes OUT/steps.txt lines (rc, seconds); OUT/done at the end. Environment overrides: TRAIN_STEPS
@@ -18,7 +20,7 @@ set -uo pipefail
 out=${1:?usage: pipeline_session.sh OUT GGUF DATA END} gguf=${2:?GGUF} data=${3:?DATA} end=${4:?END (unix time)}
 source "$(dirname "$0")/session_steps.sh" pipeline  # from /tmp/pipeline-session-tree; step NAME SECONDS CMD...; OUT/steps.txt
 target_flags=()
-if [ "${TARGET_PROBE:-1}" != 0 ]; then  # random weights: no GGUF needed, so it runs while the staging calls bring it
+if [ "${TARGET_PROBE:-0}" != 0 ]; then  # random weights: no GGUF needed, so it runs while the staging calls bring it
   step target-attn 120 python3 benchmarks/target_attn.py --packs 6 --reps 3 --out "$out/target-attn.json"
   read -r -a target_flags < <(python3 -c 'import json, sys; print(" ".join(json.load(open(sys.argv[1]))["train_flags"]))' \
     "$out/target-attn.json" 2>/dev/null)

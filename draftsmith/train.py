@@ -105,6 +105,8 @@ class TrainConfig:
     # mask) or "flex" (flex_attention with a block mask: the tiles no query of the sample sees are skipped; compiled on CUDA)
     target_compile: bool = False  # online: the target's pass over a pack through torch.compile (Transformer.compile_long:
     # fused norms, rotary and activations; a one-off compilation, seconds on a GPU)
+    pad_packs: bool = False  # pad every pack to rows_per_pack x batch_tokens: one shape for compiled code and kernel plans
+    # (the same scores: padding is never attended to by a sample nor scored), at the cost of computing the padding
     parallel: str = "ddp"  # under torchrun: "ddp" or "fsdp" (FSDP2 fully_shard)
     eval_fraction: float = 0.05
     eval_data: str | None = None  # also evaluate on this (answers.jsonl online, extracted shards offline) each epoch,
@@ -174,22 +176,32 @@ def split(ids: list[str], eval_fraction: float, seed: int) -> tuple[list[int], l
     return [i for i in canon if prompt_of(ids[i]) not in held_out], [i for i in canon if prompt_of(ids[i]) in held_out]
 
 
-def pack(rows: list[list[dict]], device) -> dict:
+def pack(rows: list[list[dict]], device, shape: tuple[int, int] | None = None) -> dict:
     """B rows of concatenated samples -> (B, T) tensors with segment and position ids, T the
     longest row. Shorter rows are padded with segment id -1, loss mask 0 and position 0: no
-    sample attends to padding (segments differ) and no padded token is scored (loss mask)."""
+    sample attends to padding (segments differ) and no padded token is scored (loss mask).
+    shape (rows, tokens): pad to it instead (TrainConfig.pad_packs), more rows of padding alone if need be."""
     cat = [{k: torch.cat([s[k] for s in row]) for k in row[0]} for row in rows]
     for c, row in zip(cat, rows):
         c["segment_ids"] = torch.cat([torch.full((len(s["input_ids"]),), i) for i, s in enumerate(row)])
         c["position_ids"] = torch.cat([torch.arange(len(s["input_ids"])) for s in row])
-    T = max(len(c["input_ids"]) for c in cat)
+    B, T = len(cat), max(len(c["input_ids"]) for c in cat)
+    if shape is not None:
+        if shape[0] < B or shape[1] < T:
+            raise ValueError(f"a pack of {B} rows of up to {T} tokens does not fit the shape {shape}")
+        B, T = shape
     out = {}
     for k, v in cat[0].items():
-        t = torch.full((len(cat), T, *v.shape[1:]), -1 if k == "segment_ids" else 0, dtype=v.dtype)  # (B, T, ...)
+        t = torch.full((B, T, *v.shape[1:]), -1 if k == "segment_ids" else 0, dtype=v.dtype)  # (B, T, ...)
         for b, c in enumerate(cat):
             t[b, :len(c[k])] = c[k]
         out[k] = t.to(device)
     return out
+
+
+def pack_shape(cfg: TrainConfig) -> tuple[int, int] | None:
+    """The one (rows, tokens) shape every pack is padded to with pad_packs, else None (each as long as its longest row)."""
+    return (cfg.rows_per_pack, cfg.batch_tokens) if cfg.pad_packs else None
 
 
 def greedy_rows(data: HiddenStates, indices: list[int], batch_tokens: int, start: int = 0):
@@ -470,7 +482,7 @@ def train_step(model, params, opt, packs: list, cfg: TrainConfig, world: World, 
         i = mine[a] if a < len(mine) else None
         with sync_gradients(model, a == slots - 1):
             with autocast(world.device):
-                loss, stats = model(featurize(pack(packs[i], world.device)) if i is not None else None)
+                loss, stats = model(featurize(pack(packs[i], world.device, pack_shape(cfg))) if i is not None else None)
             (loss * (world.size / k)).backward()
         if i is not None:
             done.append((i, stats))
@@ -492,7 +504,8 @@ def evaluate(model, data, indices, cfg: TrainConfig, featurize, world: World) ->
     mine = []
     for i in range(world.rank, math.ceil(len(packs) / world.size) * world.size, world.size):
         with autocast(world.device):
-            _, stats = model(featurize(pack(packs[i], world.device)) if i < len(packs) else None, depth=cfg.eval_depth)
+            _, stats = model(featurize(pack(packs[i], world.device, pack_shape(cfg))) if i < len(packs) else None,
+                             depth=cfg.eval_depth)
         if i < len(packs):
             mine.append((i, stats))
     model.train()

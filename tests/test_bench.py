@@ -270,7 +270,7 @@ def test_a_filtered_carried_answer_set_is_trained_as_it_is(tmp_path, monkeypatch
         trained.append({json.loads(line)["id"] for line in Path(cfg.data).read_text().splitlines()})
         chosen.append(cfg.target_attn)
         impls.append(cfg.attn_impl)
-        compiled.append(cfg.target_compile)
+        compiled.append((cfg.target_compile, cfg.pad_packs))
         raise Stop
     chosen, impls, compiled = [], [], []
 
@@ -321,9 +321,9 @@ def test_a_filtered_carried_answer_set_is_trained_as_it_is(tmp_path, monkeypatch
     assert chosen[-1] == "sdpa"
     assert "no kernel" in json.loads((tmp_path / "out" / "train.json").read_text())["target_attn_probe_flex_error"]
     train_on("--answer-sources", "gsm8k", "--target-attn", "flex")
-    assert chosen[-1] == "flex" and compiled[-1] is False
-    train_on("--answer-sources", "gsm8k", "--target-compile")  # the target's pass compiled (target_attn.py's choice)
-    assert (chosen[-1], compiled[-1]) == ("sdpa", True)
+    assert chosen[-1] == "flex" and compiled[-1] == (False, False)
+    train_on("--answer-sources", "gsm8k", "--target-compile", "--pad-packs")  # the target's pass compiled over one shape
+    assert (chosen[-1], compiled[-1]) == ("sdpa", (True, True))
     assert json.loads((tmp_path / "out" / "train.json").read_text())["target_compile"] is True
     train_on("--answer-sources", "gsm8k", "--target-attn", "probe", "--attn-impl", "probe")  # both, one after the other
     assert (chosen[-1], impls[-1]) == ("sdpa", "eager")  # eager: what the CPU can train

@@ -191,6 +191,12 @@ def test_packed_rows_match_one_concatenated_row(tiny_target_dir, tiny_hidden):
     a, b = loss_and_grads(drafter, head, one, 3), loss_and_grads(drafter, head, batched, 3)
     assert any(acc > 0 for _, acc, _ in a[1])
     assert_same_step(a, b)
+    # TrainConfig.pad_packs: one shape for every pack, rows of padding alone included, and the same step
+    padded = pack(rows, "cpu", (5, max(lengths) + 37))
+    assert padded["input_ids"].shape == (5, max(lengths) + 37) and (padded["segment_ids"][3:] == -1).all()
+    assert_same_step(a, loss_and_grads(drafter, head, padded, 3))
+    with pytest.raises(ValueError, match="does not fit"):
+        pack(rows, "cpu", (2, max(lengths)))
 
 
 @pytest.mark.parametrize("options", [{}, {"target_cache_mb": 0}, pytest.param(
@@ -413,7 +419,8 @@ def test_online_training_with_the_target_on_flex_attention(tiny_target_dir, tiny
     dense = run(TrainConfig(out=str(tmp_path / "sdpa"), **common))
     flex = run(TrainConfig(out=str(tmp_path / "flex"), target_attn="flex", **common))
     compiled = run(TrainConfig(out=str(tmp_path / "compiled"), target_compile=True, **common))  # and compiled
-    for other in (flex, compiled):
+    padded = run(TrainConfig(out=str(tmp_path / "padded"), target_compile=True, pad_packs=True, **common))  # one shape
+    for other in (flex, compiled, padded):
         assert other.steps == dense.steps
         for a, b in zip(other.eval["loss"], dense.eval["loss"]):
             assert abs(a - b) < 1e-4 * max(abs(b), 1.0)
