@@ -228,6 +228,13 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
+def allow_recompiles(n: int):
+    """Raise torch.compile's per-function recompile limit to at least n (past it torch silently runs eager code)."""
+    cfg = torch._dynamo.config
+    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+    setattr(cfg, name, max(getattr(cfg, name), n))
+
+
 COMPILED_MAX_TOKENS = 64  # query lengths (decode, verify, tree) that run optimize()'s compiled code
 
 
@@ -532,9 +539,7 @@ class Transformer(nn.Module):
         else:
             for layer in self.layers:
                 layer.fast = torch.compile(layer.forward, backend=compile_backend, fullgraph=True)
-        cfg = torch._dynamo.config
-        name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
-        setattr(cfg, name, max(getattr(cfg, name), 64))  # a few query lengths x cache sizes x captures
+        allow_recompiles(64)  # a few query lengths x cache sizes x captures
 
     def compile_long(self, backend: str = "inductor") -> "Transformer":
         """Online training: the target's pass over packed rows (train.target_features, queries longer than
@@ -543,9 +548,7 @@ class Transformer(nn.Module):
         compilation with a dynamic length serves every layer and every pack; short queries keep optimize()'s paths."""
         for layer in self.layers:
             layer.long = torch.compile(layer.forward, backend=backend, dynamic=True)
-        cfg = torch._dynamo.config
-        name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
-        setattr(cfg, name, max(getattr(cfg, name), 64))  # a new cache length (the longest pack so far) may recompile
+        allow_recompiles(64)  # a new cache length (the longest pack so far) may recompile
         return self
 
     def keep_rows(self, rows: torch.Tensor):
