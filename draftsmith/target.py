@@ -551,6 +551,12 @@ class Transformer(nn.Module):
         allow_recompiles(64)  # a new cache length (the longest pack so far) may recompile
         return self
 
+    def uncompile_long(self) -> "Transformer":
+        """Undo compile_long: every layer's eager forward again."""
+        for layer in self.layers:
+            layer.__dict__.pop("long", None)
+        return self
+
     def keep_rows(self, rows: torch.Tensor):
         """Drop finished sequences from a batched cache."""
         for layer in self.layers:

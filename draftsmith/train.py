@@ -283,6 +283,20 @@ def target_features(model, batch: dict, aux_layers, attn: str = "sdpa") -> dict:
     return {"aux": out.aux, "final": out.hidden, "argmax": argmax}
 
 
+def compiled_or_eager(model, batch: dict, aux_layers, attn: str) -> dict:
+    """target_features; if the compiled pass (TrainConfig.target_compile) fails to build or run, say so and go on
+    eager for the rest of the run (the same features, slower) rather than lose a long job to a compiler error."""
+    try:
+        return target_features(model, batch, aux_layers, attn)
+    except Exception as e:  # torch._dynamo / inductor errors come in many classes
+        if "long" not in model.layers[0].__dict__ or isinstance(e, torch.OutOfMemoryError):
+            raise
+        print(f"warning: the compiled target pass failed ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''});"
+              " training goes on with the eager pass (drop --target-compile to skip the attempt)", flush=True)
+        model.uncompile_long()
+        return target_features(model, batch, aux_layers, attn)
+
+
 # --------------------------------------------------------------------------- objective
 
 
@@ -683,7 +697,7 @@ def load_data(config: TrainConfig, target):
         aux = tuple(config.aux_layers or target.model.args.default_aux_layers())
         if config.target_compile:
             target.model.compile_long()
-        return data, aux, lambda batch: {**batch, **target_features(target.model, batch, aux, config.target_attn)}
+        return data, aux, lambda batch: {**batch, **compiled_or_eager(target.model, batch, aux, config.target_attn)}
     data = HiddenStates(config.data)
     if data.manifest.get("hidden_size") != target.model.args.hidden_size:
         raise ValueError(f"{config.data} was extracted from a target of hidden size {data.manifest.get('hidden_size')}, "

@@ -426,6 +426,33 @@ def test_online_training_with_the_target_on_flex_attention(tiny_target_dir, tiny
             assert abs(a - b) < 1e-4 * max(abs(b), 1.0)
 
 
+def test_a_failing_compiled_target_pass_falls_back_to_eager(tiny_target_dir, tiny_answers, tmp_path, monkeypatch, capsys):
+    """--target-compile whose compiled pass fails (a compiler error on some platform) warns and trains on eager:
+    the eager run's losses, and the layers run eager afterwards (no second failure a pack)."""
+    from draftsmith.target import Transformer
+
+    calls = []
+
+    def broken(self, backend="inductor"):
+        def fail(*args, **kwargs):
+            calls.append(1)
+            raise RuntimeError("inductor could not build a kernel")
+        for layer in self.layers:
+            layer.long = fail
+        return self
+
+    common = dict(target=str(tiny_target_dir), data=str(tiny_answers), online=True, draft_vocab_size=128, ttt_depth=2,
+                  epochs=1, batch_tokens=256, lr=1e-3, eval_fraction=0.25)
+    eager = run(TrainConfig(out=str(tmp_path / "eager"), **common))
+    monkeypatch.setattr(Transformer, "compile_long", broken)
+    fallback = run(TrainConfig(out=str(tmp_path / "fallback"), target_compile=True, **common))
+    assert "the compiled target pass failed (RuntimeError: inductor could not build a kernel)" in capsys.readouterr().out
+    assert calls == [1]
+    assert fallback.steps == eager.steps
+    for a, b in zip(fallback.eval["loss"], eager.eval["loss"]):
+        assert abs(a - b) < 1e-5 * max(abs(b), 1.0)
+
+
 def test_tensorboard_scalars(tiny_target_dir, tiny_hidden, tmp_path):
     pytest.importorskip("torch.utils.tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
