@@ -20,6 +20,17 @@ fi
 shared=$(cd "$root/.." && pwd)/shared/data
 [ -d "$shared/prompts" ] || { echo "no $shared/prompts: copy the prompt and eval sets into .device-data yourself" >&2; exit 1; }
 rm -rf .device-data && mkdir -p .device-data && cp -r "$shared/prompts" "$shared/eval" .device-data/
+# train_ab.sh's carry (.device-data/ab, ~4 MB): SmolLM2's config and tokenizer (random weights are made on the
+# device) and the answers of README command 1's demo if it has run (runs/demo or /tmp/demo)
+mkdir -p .device-data/ab
+python3 -c "import os, sys, transformers
+d, f = os.path.split(sys.argv[1])
+transformers.AutoConfig.from_pretrained(d, gguf_file=f).save_pretrained(sys.argv[2])
+transformers.AutoTokenizer.from_pretrained(d, gguf_file=f).save_pretrained(sys.argv[2])" "$gguf" .device-data/ab/smollm2-shape
+for a in runs/demo/generate/answers.jsonl /tmp/demo/runs/demo/generate/answers.jsonl; do
+  [ -e "$a" ] && { cp "$a" .device-data/ab/answers.jsonl; break; }
+done
+[ -e .device-data/ab/answers.jsonl ] || echo "no demo answers (README command 1 writes them): train_ab.sh needs some" >&2
 echo "carried with the first call: .device-data ($(du -sh .device-data | cut -f1)), .whl ($(ls .whl))"
 echo "first call's command starts with: mkdir -p /tmp/data /tmp/site && cp -r .device-data/* /tmp/data/ &&" \
      "python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl && ..."

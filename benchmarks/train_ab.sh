@@ -6,10 +6,20 @@
 # seconds after step WARM (compilation comes first) and its last training losses (the arms must agree).
 # Environment: ARMS (space-separated, default "eager compiled compiled_flex"), DEVICE (cuda), WARM (50), EXTRA (more
 # train flags).
-# usage: bash benchmarks/train_ab.sh OUT GGUF ANSWERS [STEPS]
+# TARGET: the GGUF (or any target draftsmith loads), or a folder with a config and tokenizer only (as
+# .device-data/ab/smollm2-shape, written from the GGUF by transformers), given random bf16 weights here: the step
+# time is the same, and no GGUF has to be staged.
+# usage: bash benchmarks/train_ab.sh OUT TARGET ANSWERS [STEPS]
 set -uo pipefail
-out=${1:?usage: train_ab.sh OUT GGUF ANSWERS [STEPS]} gguf=${2:?GGUF} answers=${3:?ANSWERS} steps=${4:-300}
+out=${1:?usage: train_ab.sh OUT TARGET ANSWERS [STEPS]} target=${2:?TARGET} answers=${3:?ANSWERS} steps=${4:-300}
 mkdir -p "$out"
+if [ -d "$target" ] && ! ls "$target"/*.safetensors >/dev/null 2>&1; then
+  rm -rf "$out/target" && cp -r "$target" "$out/target" && target=$out/target
+  python3 -c "import sys, torch, transformers
+torch.manual_seed(0)
+cfg = transformers.AutoConfig.from_pretrained(sys.argv[1])
+transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(sys.argv[1])" "$target" || exit 1
+fi
 rows=$(wc -l <"$answers")
 copies=$(( steps * 8 * 2048 / (rows * 200) + 1 ))  # ~200 tokens an answer at the least
 for _ in $(seq "$copies"); do cat "$answers"; done >"$out/answers.jsonl"
@@ -17,7 +27,7 @@ declare -A flags=([eager]="" [compiled]="--pad-packs --target-compile" [compiled
 for arm in ${ARMS:-eager compiled compiled_flex}; do
   start=$(date +%s.%N)
   # shellcheck disable=SC2086
-  python3 -m draftsmith train --target "$gguf" --data "$out/answers.jsonl" --online --out "$out/$arm" --ttt-depth 3 \
+  python3 -m draftsmith train --target "$target" --data "$out/answers.jsonl" --online --out "$out/$arm" --ttt-depth 3 \
     --eval-depth 7 --draft-vocab-size 8192 --lr 1e-3 --epochs 1 --max-steps "$steps" --eval-fraction 0.002 \
     --save-every 100000 --device "${DEVICE:-cuda}" ${flags[$arm]} ${EXTRA:-} >"$out/$arm.log" 2>&1
   echo "$arm rc $? in $(python3 -c "import sys, time; print(round(time.time() - float(sys.argv[1]), 1))" "$start") s" | tee -a "$out/arms.txt"
