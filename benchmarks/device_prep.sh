@@ -26,7 +26,8 @@ mkdir -p .device-data/ab
 python3 -c "import os, sys, transformers
 d, f = os.path.split(sys.argv[1])
 transformers.AutoConfig.from_pretrained(d, gguf_file=f).save_pretrained(sys.argv[2])
-transformers.AutoTokenizer.from_pretrained(d, gguf_file=f).save_pretrained(sys.argv[2])" "$gguf" .device-data/ab/smollm2-shape
+transformers.AutoTokenizer.from_pretrained(d, gguf_file=f).save_pretrained(sys.argv[2])" "$gguf" .device-data/ab/smollm2-shape \
+  || echo "could not write .device-data/ab/smollm2-shape (transformers and gguf installed?): train_ab.sh needs it" >&2
 for a in runs/demo/generate/answers.jsonl /tmp/demo/runs/demo/generate/answers.jsonl; do
   [ -e "$a" ] && { cp "$a" .device-data/ab/answers.jsonl; break; }
 done
