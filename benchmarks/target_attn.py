@@ -99,7 +99,7 @@ def main():
         reference = {name: [target_features(model, b, aux, "sdpa") for b in packs] for name, packs in shapes.items()}
         for attn, compiled in settings:  # the eager ones first: compile_long changes the model for what follows
             label = f"{attn}{'_compiled' if compiled else ''}"
-            if compiled and not hasattr(model.layers[0], "long"):
+            if compiled and not model.long_compiled:
                 model.compile_long()
             torch.cuda.synchronize()
             t0 = time.perf_counter()

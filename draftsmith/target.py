@@ -551,6 +551,11 @@ class Transformer(nn.Module):
         allow_recompiles(64)  # a new cache length (the longest pack so far) may recompile
         return self
 
+    @property
+    def long_compiled(self) -> bool:
+        """Whether compile_long is in effect."""
+        return "long" in self.layers[0].__dict__
+
     def uncompile_long(self) -> "Transformer":
         """Undo compile_long: every layer's eager forward again."""
         for layer in self.layers:

@@ -289,10 +289,11 @@ def compiled_or_eager(model, batch: dict, aux_layers, attn: str) -> dict:
     try:
         return target_features(model, batch, aux_layers, attn)
     except Exception as e:  # torch._dynamo / inductor errors come in many classes
-        if "long" not in model.layers[0].__dict__ or isinstance(e, torch.OutOfMemoryError):
+        if not model.long_compiled or isinstance(e, torch.OutOfMemoryError):
             raise
-        print(f"warning: the compiled target pass failed ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''});"
-              " training goes on with the eager pass (drop --target-compile to skip the attempt)", flush=True)
+        first = (str(e).splitlines() or [""])[0][:200]
+        print(f"warning: the compiled target pass failed ({type(e).__name__}: {first}); training goes on with the eager"
+              " pass (drop --target-compile to skip the attempt)", flush=True)
         model.uncompile_long()
         return target_features(model, batch, aux_layers, attn)
 
