@@ -107,8 +107,19 @@ def carried(r: dict, sources: tuple[str, ...] | None, fractions: dict[str, float
     return zlib.crc32(prompt_of(r["id"]).encode()) < share * 2**32
 
 
+def target_pass_defaults(a):
+    """--target-compile and --pad-packs left unset: on for CUDA (run 20: a step 64.7 ms against run 19's 87.5 on the
+    eager pass, the same scores; h200-recipe.json finding_run20), off elsewhere (compiling on a CPU costs more than it
+    saves)."""
+    for name in ("target_compile", "pad_packs"):
+        if getattr(a, name) is None:
+            setattr(a, name, a.device.startswith("cuda"))
+    return a
+
+
 def phase_train(a):
     t0 = time.perf_counter()
+    target_pass_defaults(a)
     data = Path(a.data)
     prompts = tuple(sorted(str(p) for p in (data / "prompts").iterdir()))
     evals = (str(data / "eval" / "mt_bench.jsonl"), str(data / "eval" / "spec_bench.jsonl"))
@@ -952,10 +963,10 @@ def build_parser() -> argparse.ArgumentParser:
                     " to time (train_8b alone gives train_mfu_8b)")
     ap.add_argument("--target-attn", default="sdpa", choices=("sdpa", "flex", "probe"), help="train: the target's"
                     " attention over a pack (TrainConfig.target_attn); probe: time both (60 steps each), train with the faster")
-    ap.add_argument("--target-compile", action=argparse.BooleanOptionalAction, default=False, help="train: the target's"
-                    " pass over a pack compiled (TrainConfig.target_compile); benchmarks/target_attn.py times it")
-    ap.add_argument("--pad-packs", action=argparse.BooleanOptionalAction, default=False, help="train: every pack padded to"
-                    " rows-per-pack x batch-tokens (TrainConfig.pad_packs): one shape for the compiled target pass")
+    ap.add_argument("--target-compile", action=argparse.BooleanOptionalAction, help="train: the target's pass over a"
+                    " pack compiled (TrainConfig.target_compile; default: on CUDA); benchmarks/train_ab.sh times it")
+    ap.add_argument("--pad-packs", action=argparse.BooleanOptionalAction, help="train: every pack padded to rows-per-pack"
+                    " x batch-tokens (TrainConfig.pad_packs; default: on CUDA): one shape for the compiled target pass")
     ap.add_argument("--attn-impl", default="auto", help="train: TTT attention (auto | eager | flex | split | probe: time"
                     " each, train with the fastest)")
     ap.add_argument("--compile-loss", action=argparse.BooleanOptionalAction, default=None, help="train: compiled KL (default: on CUDA)")

@@ -325,6 +325,12 @@ def test_a_filtered_carried_answer_set_is_trained_as_it_is(tmp_path, monkeypatch
     train_on("--answer-sources", "gsm8k", "--target-compile", "--pad-packs")  # the target's pass compiled over one shape
     assert (chosen[-1], compiled[-1]) == ("sdpa", (True, True))
     assert json.loads((tmp_path / "out" / "train.json").read_text())["target_compile"] is True
+    train_on("--answer-sources", "gsm8k")  # unset: off on the CPU, on for CUDA (run 20), and the --no- flags win
+    assert compiled[-1] == (False, False)
+    for flags, want in (((), (True, True)), (("--no-target-compile",), (False, True)), (("--no-pad-packs",), (True, False))):
+        cuda = h200.target_pass_defaults(h200.build_parser().parse_args(
+            ["train", "--gguf", "g", "--data", "d", "--out", "o", "--device", "cuda", *flags]))
+        assert (cuda.target_compile, cuda.pad_packs) == want
     train_on("--answer-sources", "gsm8k", "--target-attn", "probe", "--attn-impl", "probe")  # both, one after the other
     assert (chosen[-1], impls[-1]) == ("sdpa", "eager")  # eager: what the CPU can train
     assert json.loads((tmp_path / "out" / "train.json").read_text())["attn_probe_step_s"] == pytest.approx(
