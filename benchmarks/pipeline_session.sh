@@ -2,8 +2,8 @@
 # Issue 4's h200-pipeline.json in one detached job on the device machine (device_bg.sh start), started in the
 # first staging call: it waits for the GGUF (later staging calls assemble it), runs the whole pipeline on the
 # default recipe (h200_run.py both: regeneration, self-written prompts, one sampled answer to each chat-like and
-# self-written prompt, online training at TTT depth 3 with a draft vocab of 8,192, 6,000 steps: run 18's recipe,
-# export, then the bench: plain, chain 5, the 4x5x15
+# self-written prompt, online training at TTT depth 3 with a draft vocab of 8,192, 8,000 steps over padded packs
+# with the target's pass compiled (h200_run.py's CUDA defaults): run 20's recipe, export, then the bench: plain, chain 5, the 4x5x15
 # tree beside 8x6x48, T=1 sampled trees (SAMPLED_TREES, session_steps.sh), fp32 check) into OUT/pipe, then the GPU
 # kernel tests if time is left before END. With TARGET_PROBE=1, first, while the GGUF is still coming,
 # benchmarks/target_attn.py times the target's pass over a training pack in each setting (dense or flex mask, eager or
@@ -13,7 +13,7 @@
 #   END: unix time by which the job must be done (the session's device budget). Training stops checkpointed
 #   BENCH_S seconds (default 330) before it so that the bench fits; the tests run only with 150+ s left.
 # Each step writes OUT/steps.txt lines (rc, seconds); OUT/done at the end. Environment overrides: TRAIN_STEPS
-# (6000, run 18's: ~0.094 s a step on an H100 with the evaluations), GEN_SECONDS (generation guard, 700), BENCH_S, PIPE_FLAGS (more
+# (8000, run 20's: ~0.089 s a step on an H100 with the evaluations, 710 s), GEN_SECONDS (generation guard, 700), BENCH_S, PIPE_FLAGS (more
 # h200_run.py flags), PYTEST_K.
 # usage: bash benchmarks/pipeline_session.sh OUT GGUF DATA END
 set -uo pipefail
@@ -28,7 +28,7 @@ if [ "${TARGET_PROBE:-0}" != 0 ]; then  # random weights: no GGUF needed, so it 
 fi
 wait_gguf 400 "$gguf"
 step pipeline $(( end - $(date +%s) )) python3 benchmarks/h200_run.py both --gguf "$gguf" --data "$data" \
-  --train-steps "${TRAIN_STEPS:-6000}" --gen-seconds "${GEN_SECONDS:-700}" --deadline $(( end - ${BENCH_S:-330} )) \
+  --train-steps "${TRAIN_STEPS:-8000}" --gen-seconds "${GEN_SECONDS:-700}" --deadline $(( end - ${BENCH_S:-330} )) \
   "${smollm2_bench[@]}" ${target_flags[@]+"${target_flags[@]}"} ${PIPE_FLAGS:-} --out "$out/pipe"
 left=$(( end - $(date +%s) ))
 if [ "$left" -gt 150 ]; then
